@@ -1,0 +1,15 @@
+"""samebits: reproducible LLM inference -- the same request returns the same bits at any batch size."""
+
+from samebits.engine.sequence import RequestOutput
+from samebits.llm import LLM
+from samebits.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "batch_invariant"]
+
+
+def __getattr__(name: str):
+    if name == "batch_invariant":
+        from samebits.ops.override import batch_invariant
+        return batch_invariant
+    raise AttributeError(name)

@@ -1,0 +1,183 @@
+"""Configuration: the model's shape (from config.json) and the engine's knobs, as frozen dataclasses.
+
+Both are checked in ``__post_init__`` so a bad value fails at construction with a message that names
+the field. ``EngineConfig.batch_invariant`` is the one switch between the invariant and the standard
+numerics; it is passed down, never read from the environment below this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from samebits import env
+
+DECODER_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelFormatError(ValueError):
+    """A model file or directory that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape, read from an HF ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, some Llamas)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelFormatError(f"config.json: {name} must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelFormatError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in DECODER_ARCHITECTURES:
+            raise ModelFormatError(
+                f"{source}: unsupported architecture {arch!r}; samebits supports "
+                f"{', '.join(DECODER_ARCHITECTURES)}")
+        try:
+            return cls._parse(cfg, arch)
+        except KeyError as e:
+            raise ModelFormatError(f"{source}: missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def _parse(cls, cfg: dict[str, Any], arch: str) -> ModelConfig:
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                              else None)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_scaling=dict(scaling) if scaling else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> ModelConfig:
+        return cls.from_dict(read_json(path), str(path))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON file, turning every failure into a one-line ``ModelFormatError``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how the engine runs, and therefore (with the weights) its bits."""
+
+    model: str | None = None  # None: the embedded default for ``task``
+    task: str = "generate"  # "generate" | "embed"
+    load_format: str = "auto"  # "auto" | "dummy"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    batch_invariant: bool = field(default_factory=env.batch_invariant)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    attention_split_size: int = 256  # KV tokens per attention split (design.md section 1)
+    seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
+
+    def __post_init__(self) -> None:
+        if self.task not in ("generate", "embed"):
+            raise ValueError(f"task must be 'generate' or 'embed', got {self.task!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory_bytes", "attention_split_size"):
+            _positive(name, getattr(self, name))
+        _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.attention_split_size % self.block_size and self.block_size % 16:
+            raise ValueError("attention_split_size must be a multiple of 16")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]

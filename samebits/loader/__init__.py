@@ -1,0 +1,80 @@
+"""Turn an ``EngineConfig`` into a loaded decoder: resolve the model (embedded default, GGUF file,
+HF directory, or a config.json for dummy weights), build it on the device, load the weights, and
+derive the numerics fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
+from samebits.loader import dummy, hf
+from samebits.models.llama import LlamaForCausalLM
+from samebits.ops.backend import get_backend
+from samebits.tokenizer import Tokenizer
+
+ENGINE_VERSION = "0.1.0"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    model_dir: Path
+    max_model_len: int
+    fingerprint: str  # weights digest + dtype + engine version + kernel config
+
+
+def resolve_model_dir(spec: str | None) -> Path:
+    """The HF-format directory for a model spec; GGUF files are converted once into the cache."""
+    from samebits.loader import gguf
+    if spec is None:
+        return gguf.convert_gguf(gguf.default_model_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf.convert_gguf(path)
+    if path.is_file() and path.name == "config.json":
+        return path.parent
+    hf.check_model_dir(path)
+    if path.is_file():
+        raise ModelFormatError(f"{path}: expected a model directory or a .gguf file")
+    return path
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    model_dir = resolve_model_dir(config.model)
+    raw_cfg = read_json(model_dir / "config.json")
+    model_config = ModelConfig.from_dict(raw_cfg, str(model_dir / "config.json"))
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    device, dtype = config.torch_device, config.torch_dtype
+    ops = get_backend(device, config.batch_invariant)
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config, ops, max_len)
+    for p in model.parameters():  # rope tables stay fp32; they are cast per step like HF does
+        p.data = p.data.to(dtype)
+    if config.load_format == "dummy":
+        dummy.init_dummy_weights(model, config.seed)
+        digest = dummy.dummy_digest(raw_cfg, config.seed)
+    else:
+        files = hf.safetensors_files(model_dir)
+        weights = tqdm(hf.iter_safetensors(files), desc="loading weights", unit="tensor",
+                       leave=False)
+        model.load_weights((n, t.to(dtype)) for n, t in weights)
+        digest = hf.weights_digest(files)
+    tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
+    return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
+                       fingerprint(digest, dtype, config, ops.name))
+
+
+def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: str) -> str:
+    """``fp_`` + 16 hex: everything that decides the bits of a token's KV and logits."""
+    from samebits.ops import reference
+    parts = [digest, str(dtype), ENGINE_VERSION, backend, f"split={config.attention_split_size}",
+             f"tile_m={reference.TILE_M}", f"tile_q={reference.TILE_Q}",
+             f"invariant={config.batch_invariant}"]
+    return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,150 @@
+"""One decoder for LlamaForCausalLM (Llama 2/3, SmolLM2, Mistral), Qwen2 (qkv bias) and Qwen3
+(per-head q/k RMSNorm), with GQA and tied or untied embeddings, over a paged KV cache.
+
+Every reduction goes through the ``OpBackend`` the model was built with; everything else here is
+elementwise and does the same casts in the same order on every path, so the invariance of the
+backend carries over to the logits. Shapes: T = tokens in the flat batch, H = hidden size,
+Hq / Hkv = query / KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from samebits.config import ModelConfig, ModelFormatError
+from samebits.ops.backend import AttentionMetadata, OpBackend, store_kv
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] in fp32, with Llama-3 or linear scaling as HF computes them."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ModelFormatError(f"config.json: unsupported rope_scaling type {kind!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] already in x's dtype (HF's rotate_half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.qkv_proj = _param((self.hq + 2 * self.hkv) * self.d, cfg.hidden_size)
+        self.qkv_bias = _param((self.hq + 2 * self.hkv) * self.d) if cfg.attention_bias else None
+        self.o_proj = _param(cfg.hidden_size, self.hq * self.d)
+        self.q_norm = _param(self.d) if cfg.qk_norm else None
+        self.k_norm = _param(self.d) if cfg.qk_norm else None
+
+    def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q, self.q_norm, self.eps)
+            k = ops.rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
+        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj)  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+
+    def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
+        gate, up = ops.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+        return ops.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = _param(cfg.hidden_size)
+        self.post_attention_layernorm = _param(cfg.hidden_size)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        a = self.self_attn(ops, ops.rms_norm(h, self.input_layernorm, self.eps), cos, sin,
+                           kv_cache, meta)
+        h = h + a
+        return h + self.mlp(ops, ops.rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig, ops: OpBackend, max_model_len: int) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, D]
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(self.ops, h, cos, sin, kv_cache, meta)
+        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return self.ops.linear(hidden, w).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
+        from samebits.models.weights import load_llama_weights
+        load_llama_weights(self, weights)

@@ -1,0 +1,117 @@
+"""The op-backend interface and the registry that picks one implementation per (device, mode).
+
+A backend is a set of small tensor-in, tensor-out functions. Models call them through the backend
+object they were built with; the choice is made once, in ``get_backend``, never by ``if``s in model
+code.
+
+Invariant backends guarantee, for every op: the bits of an output row depend only on that row's own
+inputs and on fixed constants (shapes of the weights, this module's tile and split sizes) -- never on
+how many rows there are, where the row sits, or what the other rows hold. For attention, the output
+of the query at position p depends only on q, and on K/V at positions [0, p] of its own sequence --
+not on how many queries of the sequence run this step (prefill, chunk or decode), on the batch, or
+on which physical KV blocks hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence's queries and KV live, for one forward over a flattened batch.
+
+    Sequence b owns queries ``query_start_loc[b]:query_start_loc[b+1]`` of the flat batch; its
+    context (cached tokens plus this step's) has ``seq_lens[b]`` tokens, so its i-th query sits at
+    position ``seq_lens[b] - query_len_b + i`` and attends to positions [0, that position].
+    ``block_tables[b, j]`` is the physical block holding positions [j*block_size, (j+1)*block_size).
+    The ``*_list`` twins are the same numbers as Python ints, for host-side loops.
+    """
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    seq_lens_list: tuple[int, ...]
+    query_start_loc_list: tuple[int, ...]
+    block_size: int
+    split_size: int  # KV tokens per attention split
+    plan: object | None = None  # backend-specific index tensors, built once per forward
+
+    @property
+    def query_lens(self) -> list[int]:
+        qsl = self.query_start_loc_list
+        return [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class OpBackend(Protocol):
+    """What a model needs from the numerics. ``x`` rows are tokens; all reductions over the last dim."""
+
+    name: str
+    batch_invariant: bool
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """x [..., K] @ w[N, K].T (+ b) -> [..., N], accumulated in fp32."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in fp32, then cast back and scaled by w (HF order)."""
+        ...
+
+    def softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def plan_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Build the backend's index tensors once per forward (shared by every layer)."""
+        ...
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D]."""
+        ...
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V [T, Hkv, D] into their slots; attention then reads only the cache."""
+    num_blocks, block_size, hkv, d = k_cache.shape
+    k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+_REGISTRY: dict[tuple[str, bool], Callable[[], OpBackend]] = {}
+
+
+def register(device_type: str, batch_invariant: bool):
+    """Class decorator: the backend for ``device_type`` in the given mode."""
+    def wrap(factory: Callable[[], OpBackend]) -> Callable[[], OpBackend]:
+        _REGISTRY[(device_type, batch_invariant)] = factory
+        return factory
+    return wrap
+
+
+def get_backend(device: torch.device | str, batch_invariant: bool) -> OpBackend:
+    """The one place a backend is chosen."""
+    device_type = torch.device(device).type
+    _load_builtin_backends(device_type)
+    key = (device_type, batch_invariant)
+    if key not in _REGISTRY:
+        mode = "batch-invariant" if batch_invariant else "standard"
+        raise ValueError(f"no {mode} op backend for device {device_type!r}")
+    return _REGISTRY[key]()
+
+
+def _load_builtin_backends(device_type: str) -> None:
+    from samebits.ops import reference, standard  # noqa: F401  (registration side effect)
+    if device_type == "cuda":
+        from samebits.ops.triton import backend  # noqa: F401

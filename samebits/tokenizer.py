@@ -1,0 +1,92 @@
+"""Tokenizer + chat template from an HF-format directory (tokenizer.json, tokenizer_config.json,
+generation_config.json), via the ``tokenizers`` library and a sandboxed jinja2 template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from samebits.config import ModelFormatError, read_json
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, config: dict[str, Any], eos_ids: tuple[int, ...]) -> None:
+        self._tok = tok
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template = self._pick_template(config.get("chat_template"))
+        ids = set(eos_ids)
+        if self.eos_token is not None and tok.token_to_id(self.eos_token) is not None:
+            ids.add(tok.token_to_id(self.eos_token))
+        self.eos_token_ids = tuple(sorted(ids))
+        self.bos_token_id = tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @staticmethod
+    def _pick_template(template: Any) -> str | None:
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            return named.get("default") or next(iter(named.values()), None)
+        return template
+
+    @classmethod
+    def from_dir(cls, path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
+        """None when the directory has no tokenizer.json (dummy-weight configs)."""
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            return None
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelFormatError(f"{file}: cannot parse tokenizer ({e})") from None
+        tok.no_padding()
+        tok.no_truncation()
+        cfg_file = path / "tokenizer_config.json"
+        config = read_json(cfg_file) if cfg_file.is_file() else {}
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos = read_json(gen_file).get("eos_token_id")
+            eos_ids = tuple(eos_ids) + (tuple(eos) if isinstance(eos, list) else
+                                        (() if eos is None else (eos,)))
+        return cls(tok, config, eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=True).ids  # the post-processor's BOS
+        bos = self.bos_token_id
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from None
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
