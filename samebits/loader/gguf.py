@@ -185,6 +185,7 @@ def _write(reader: gguf.GGUFReader, path: Path, out: Path) -> None:
     tokenizer, tok_config = _tokenizer(reader, path)
     tensors = _tensors(reader, path, arch, config)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600
     tokenizer.save(str(out / "tokenizer.json"))
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     for name, obj in (("tokenizer_config.json", tok_config), ("generation_config.json", gen),
