@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import torch
+
 from samebits.config import EngineConfig
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, StepResult
@@ -118,6 +120,17 @@ class LLMEngine:
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
+        self._check_prompt(token_ids, 0)
+        seq = Sequence("prompt-logits", list(token_ids), SamplingParams(), 0, score_only=True)
+        if not self.kv.allocate(seq, len(token_ids)):
+            raise RuntimeError("not enough free KV blocks for prompt_logits")
+        try:
+            return self.runner.all_logits(ScheduledBatch([seq], [len(token_ids)]))
+        finally:
+            self.kv.free(seq)
 
     # ---- outputs --------------------------------------------------------------------------
     def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:

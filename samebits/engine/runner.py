@@ -92,9 +92,17 @@ class ModelRunner:
             self._score(inputs, hidden, result)
         return result
 
+    @torch.inference_mode()
+    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits [T, V] of every scheduled token (a debugging and reference-check path)."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden)
+
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         seqs = inputs.sample_seqs
-        logits = self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=self.device)])  # [B, V]
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
         tokens, logprobs = sampler.sample(
             self.model.ops, logits, [s.params for s in seqs], [s.seed for s in seqs],
             [len(s.output_token_ids) for s in seqs])
@@ -105,7 +113,8 @@ class ModelRunner:
 
     def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """Logprob of token p+1 given tokens [0, p], for each scored position p."""
-        logits = self.model.compute_logits(hidden[torch.tensor(inputs.score_rows, device=self.device)])
+        rows = torch.tensor(inputs.score_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
         logprobs = self.model.ops.log_softmax(logits)
         row = 0
         for seq, start, count in inputs.score_spans:

@@ -33,6 +33,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -83,6 +84,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -81,42 +81,46 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class _AttentionPlan:
-    """Index tensors shared by every layer of one forward."""
+    """Index tensors shared by every layer of one forward. Tiles are sorted by how many splits
+    they reduce (most first), so the tiles active in split s are the first ``active[s]``."""
 
     q_rows: torch.Tensor  # [n_tiles, TILE_Q] flat query row of each tile row (pad rows repeat)
     q_pos: torch.Tensor  # [n_tiles, TILE_Q] position of each tile row
     valid: torch.Tensor  # [n_tiles * TILE_Q] bool: tile rows that are real queries
     kv_slots: torch.Tensor  # [n_tiles, n_splits * split] cache slot of each key (pad -> slot 0)
-    tile_splits: tuple[int, ...]  # splits each tile must reduce (ascending order)
+    active: tuple[int, ...]  # per split s: number of tiles that reduce it
 
 
-def _plan(meta: AttentionMetadata) -> _AttentionPlan:
-    qsl, bs, split = meta.query_start_loc_list, meta.block_size, meta.split_size
-    rows, pos, valid, seq_of_tile, splits = [], [], [], [], []
+def _tiles(meta: AttentionMetadata) -> list[tuple[int, list[int], list[int], int]]:
+    """(sequence, rows, positions, real rows) of each query tile."""
+    qsl, out = meta.query_start_loc_list, []
     for b, seq_len in enumerate(meta.seq_lens_list):
         q_start, q_end = qsl[b], qsl[b + 1]
         first_pos = seq_len - (q_end - q_start)
         for t0 in range(q_start, q_end, TILE_Q):
             n = min(TILE_Q, q_end - t0)
-            rows.append([t0 + min(i, n - 1) for i in range(TILE_Q)])
-            pos.append([first_pos + t0 - q_start + min(i, n - 1) for i in range(TILE_Q)])
-            valid.extend([True] * n + [False] * (TILE_Q - n))
-            seq_of_tile.append(b)
-            splits.append(pos[-1][-1] // split + 1)
-    n_keys = max(splits, default=1) * split
+            rows = [t0 + min(i, n - 1) for i in range(TILE_Q)]
+            out.append((b, rows, [first_pos + r - q_start for r in rows], n))
+    return out
+
+
+def _plan(meta: AttentionMetadata) -> _AttentionPlan:
+    split = meta.split_size
+    tiles = sorted(_tiles(meta), key=lambda t: -t[2][-1])  # stable: most splits first
+    splits = [t[2][-1] // split + 1 for t in tiles]
+    n_keys = splits[0] * split
     key_pos = torch.arange(n_keys)
     tables = meta.block_tables.cpu().long()
-    block_idx = (key_pos // bs).clamp(max=tables.shape[1] - 1)
-    slots = tables[:, block_idx] * bs + key_pos % bs  # [B, n_keys]
-    lens = torch.tensor(meta.seq_lens_list)
-    slots = torch.where(key_pos[None, :] < lens[:, None], slots, 0)
-    device = meta.slot_mapping.device
+    block_idx = (key_pos // meta.block_size).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block_idx] * meta.block_size + key_pos % meta.block_size  # [B, n_keys]
+    slots = torch.where(key_pos[None, :] < torch.tensor(meta.seq_lens_list)[:, None], slots, 0)
+    dev = meta.slot_mapping.device
     return _AttentionPlan(
-        q_rows=torch.tensor(rows, dtype=torch.long, device=device).view(-1, TILE_Q),
-        q_pos=torch.tensor(pos, dtype=torch.long, device=device).view(-1, TILE_Q),
-        valid=torch.tensor(valid, dtype=torch.bool, device=device),
-        kv_slots=slots[torch.tensor(seq_of_tile, dtype=torch.long)].to(device),
-        tile_splits=tuple(splits),
+        q_rows=torch.tensor([t[1] for t in tiles], dtype=torch.long, device=dev),
+        q_pos=torch.tensor([t[2] for t in tiles], dtype=torch.long, device=dev),
+        valid=torch.tensor([i < t[3] for t in tiles for i in range(TILE_Q)], device=dev),
+        kv_slots=slots[torch.tensor([t[0] for t in tiles], dtype=torch.long)].to(dev),
+        active=tuple(sum(1 for n in splits if n > s) for s in range(splits[0])),
     )
 
 
@@ -134,15 +138,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     m = q.new_full((n_tiles, hkv, TILE_Q * g, 1), -math.inf, dtype=torch.float32)
     acc = q.new_zeros((n_tiles, hkv, TILE_Q * g, d + 1), dtype=torch.float32)
-    for s in range(max(plan.tile_splits)):
-        active = [i for i, n in enumerate(plan.tile_splits) if n > s]
-        idx = torch.tensor(active, dtype=torch.long, device=q.device)
-        m_s, acc_s = _split(qt[idx], k_flat, v_flat, plan, idx, s, split, g)
-        m_new = torch.maximum(m[idx], m_s)
-        alpha = torch.exp(m[idx] - m_new)
-        beta = torch.exp(m_s - m_new)
-        acc[idx] = acc[idx] * alpha + acc_s * beta
-        m[idx] = m_new
+    for s, n in enumerate(plan.active):
+        m_s, acc_s = _split(qt[:n], k_flat, v_flat, plan, n, s, split, g)
+        m_new = torch.maximum(m[:n], m_s)
+        acc[:n] = acc[:n] * torch.exp(m[:n] - m_new) + acc_s * torch.exp(m_s - m_new)
+        m[:n] = m_new
     out = (acc[..., :d] / acc[..., d:]).to(q.dtype)  # [n_tiles, Hkv, TILE_Q * G, D]
     out = out.view(n_tiles, hkv, TILE_Q, g, d).permute(0, 2, 1, 3, 4).reshape(-1, hq, d)
     result = q.new_empty(n_tokens, hq, d)
@@ -151,21 +151,21 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _split(qt: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _AttentionPlan,
-           idx: torch.Tensor, s: int, split: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One split of keys [s*split, (s+1)*split) for the tiles ``idx``: (row max, [P@V | P@1])."""
-    n, hkv, rows, d = qt.shape
-    slots = plan.kv_slots[idx, s * split:(s + 1) * split]  # [n, split]
+           n: int, s: int, split: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [s*split, (s+1)*split) for the first ``n`` tiles: (row max, [P @ V | P @ 1])."""
+    _, hkv, rows, d = qt.shape
+    slots = plan.kv_slots[:n, s * split:(s + 1) * split]  # [n, split]
     k = k_flat[slots].permute(0, 2, 3, 1).reshape(n * hkv, d, split)
-    v = v_flat[slots].permute(0, 2, 1, 3)  # [n, Hkv, split, D]
-    v1 = torch.cat([v, v.new_ones(n, hkv, split, 1)], dim=-1).reshape(n * hkv, split, d + 1)
+    v1 = v_flat.new_ones(n, hkv, split, d + 1)
+    v1[..., :d] = v_flat[slots].permute(0, 2, 1, 3)
     scores = torch.bmm(qt.reshape(n * hkv, rows, d), k).float().view(n, hkv, -1, g, split)
     key_pos = torch.arange(s * split, (s + 1) * split, device=qt.device)
-    causal = key_pos[None, None, :] <= plan.q_pos[idx][:, :, None]  # [n, TILE_Q, split]
+    causal = key_pos[None, None, :] <= plan.q_pos[:n, :, None]  # [n, TILE_Q, split]
     scores = scores.masked_fill(~causal[:, None, :, None, :], -math.inf).view(n, hkv, rows, split)
     m_s = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - torch.where(m_s == -math.inf, 0.0, m_s))
-    acc_s = torch.bmm(p.to(v1.dtype).view(n * hkv, rows, split), v1).float()
-    return torch.where(m_s == -math.inf, -math.inf, m_s), acc_s.view(n, hkv, rows, d + 1)
+    acc_s = torch.bmm(p.to(v1.dtype).view(n * hkv, rows, split), v1.view(n * hkv, split, d + 1))
+    return m_s, acc_s.float().view(n, hkv, rows, d + 1)
 
 
 @register("cpu", True)

@@ -1,0 +1,64 @@
+"""The strict criterion: a request's token ids and logprobs do not depend on what else runs.
+
+Every test compares against the same reference (each request alone) with exact equality.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from samebits import LLM
+from tests.determinism.workload import run_shuffled
+
+
+def _mismatches(got, want) -> list[int]:
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+
+
+@pytest.mark.parametrize("max_num_seqs,shuffle_seed", [(4, 1), (16, 2), (64, 3)])
+def test_tokens_and_logprobs_bitwise_equal_alone_vs_batch(reference, max_num_seqs, shuffle_seed):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=max_num_seqs)
+    got = run_shuffled(llm, reqs, shuffle_seed)
+    assert _mismatches(got, want) == []
+
+
+def test_bitwise_equal_with_prefix_cache_hits(reference):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=16)
+    run_shuffled(llm, reqs[::2], 4)  # warm the cache with the greedy half
+    outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])
+    assert sum(o.num_cached_tokens for o in outs) > 0, "the test must exercise cache hits"
+    assert _mismatches([(o.token_ids, o.logprobs) for o in outs], want) == []
+
+
+def test_bitwise_equal_with_chunked_prefill_at_odd_boundaries(reference):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=37, enable_prefix_caching=False)
+    got = run_shuffled(llm, reqs, 5)
+    assert _mismatches(got, want) == []
+
+
+def test_bitwise_equal_when_requests_are_preempted_and_recomputed(reference):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=16, num_kv_blocks=48, enable_prefix_caching=False)
+    got = run_shuffled(llm, reqs, 6)
+    assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert llm.engine.kv.pool.num_used == 0
+    assert _mismatches(got, want) == []
+
+
+def test_score_of_prompt_plus_generation_equals_generation_logprobs(reference):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=97)
+    full = [prompt + tokens for (prompt, _), (tokens, _) in zip(reqs, want, strict=True)]
+    scored = llm.score(full)
+    for (prompt, _), (_, logprobs), s in zip(reqs, want, scored, strict=True):
+        assert s[len(prompt) - 1:] == logprobs
+
+
+def test_negative_control_standard_mode_differs_with_batch_size(reference):
+    reqs, _ = reference
+    alone = run_shuffled(LLM(max_num_seqs=1, batch_invariant=False), reqs[:16], None)
+    batched = run_shuffled(LLM(max_num_seqs=16, batch_invariant=False), reqs[:16], 7)
+    assert _mismatches(batched, alone) != [], "standard mode should show batch variance"
