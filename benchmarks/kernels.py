@@ -1,0 +1,235 @@
+"""Invariant Triton kernels vs the stock torch ops, on one CUDA device. Prints JSON lines:
+{op, shape, dtype, invariant_us, stock_us, ratio, ...} and a summary per op group at the end.
+
+    python benchmarks/kernels.py                 # the issue-4 targets
+    python benchmarks/kernels.py --sweep linear  # tile configs / segment counts, for tuning
+    python benchmarks/kernels.py --sweep attention
+
+Timing: ``triton.testing.do_bench`` median; it clears the L2 cache (a 256 MB write) before every
+repetition, so every call reads cold inputs -- the same effect as rotating input sets. Inputs are
+fresh random data (never zeros). Ratio = invariant time / stock time, both measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from samebits.ops.backend import AttentionMetadata
+from samebits.ops.standard import StandardBackend
+from samebits.ops.triton import attention as A
+from samebits.ops.triton import linear as L
+from samebits.ops.triton import rms_norm as RN
+from samebits.ops.triton import softmax as SM
+
+LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
+LINEAR_MS = [1, 8, 32, 128, 512, 2048, 8192]
+ROWS: list[dict] = []
+
+
+def us(fn, *args, rep: int = 100, **kwargs) -> float:
+    """Median microseconds of fn(*args, **kwargs)."""
+    return do_bench(lambda: fn(*args, **kwargs), warmup=max(5, rep // 4), rep=rep,
+                    return_mode="median") * 1e3
+
+
+def emit(op: str, shape: dict, dtype: str, inv: float, stock: float, **extra) -> None:
+    row = {"op": op, "shape": shape, "dtype": dtype, "invariant_us": round(inv, 2),
+           "stock_us": round(stock, 2), "ratio": round(inv / stock, 3), **extra}
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_linear(sweep: bool) -> None:
+    for k, n in LINEAR_SHAPES:
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        for m in LINEAR_MS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            stock = us(F.linear, x, w)
+            if not sweep:
+                emit("linear", {"M": m, "K": k, "N": n}, "bf16", us(L.linear, x, w), stock,
+                     config=L.pick_config(m, n, k, x.dtype).__dict__,
+                     segments=L.num_segments(k, n))
+                continue
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for cfg in _linear_candidates(m):
+                for segs in sorted({1, L.num_segments(k, n), 2, 4} if m <= 64 else
+                                   {1, L.num_segments(k, n)}):
+                    t = us(L.run, x, w, None, out, cfg, segs, rep=30)
+                    emit("linear_sweep", {"M": m, "K": k, "N": n}, "bf16", t, stock,
+                         config=cfg.__dict__, segments=segs)
+        del w
+        torch.cuda.empty_cache()
+
+
+def _linear_candidates(m: int) -> list[L.GemmConfig]:
+    G = L.GemmConfig
+    if m <= 16:
+        return [G(16, 16, 256, 4, 4), G(16, 32, 256, 4, 4), G(16, 64, 256, 4, 4),
+                G(16, 32, 512, 4, 3), G(16, 64, 128, 4, 5)]
+    if m <= 32:
+        return [G(32, 32, 256, 4, 4), G(32, 64, 128, 4, 4), G(32, 64, 256, 4, 3),
+                G(32, 128, 128, 4, 4)]
+    if m <= 128:
+        return [G(64, 128, 64, 4, 4), G(128, 64, 64, 4, 4), G(64, 64, 128, 4, 4),
+                G(128, 128, 64, 8, 4), G(64, 256, 64, 8, 3)]
+    if m <= 512:
+        return [G(128, 128, 64, 8, 4), G(128, 128, 64, 4, 4), G(128, 256, 64, 8, 3),
+                G(64, 128, 64, 4, 4), G(64, 256, 64, 8, 3)]
+    return [G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4), G(256, 128, 64, 8, 3),
+            G(128, 256, 64, 8, 4), G(128, 128, 64, 4, 4)]
+
+
+def _add_then_norm(std: StandardBackend, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    h = x + r
+    return std.rms_norm(h, w, 1e-6), h
+
+
+def bench_norms() -> None:
+    std = StandardBackend()
+    for m in (1, 32, 256, 2048, 8192):
+        x = torch.randn(m, 4096, device="cuda").bfloat16()
+        r = torch.randn(m, 4096, device="cuda").bfloat16()
+        w = torch.rand(4096, device="cuda").bfloat16()
+        emit("rms_norm", {"M": m, "H": 4096}, "bf16", us(RN.rms_norm, x, w, 1e-6),
+             us(std.rms_norm, x, w, 1e-6),
+             torch_F_rms_norm_us=round(us(F.rms_norm, x, (4096,), w, 1e-6), 2))
+        emit("add_rms_norm", {"M": m, "H": 4096}, "bf16",
+             us(RN.add_rms_norm, x, r, w, 1e-6),
+             us(_add_then_norm, std, x, r, w))
+    for v in (32768, 151936):
+        for m in (1, 32, 256, 2048):
+            x = torch.randn(m, v, device="cuda") * 4
+            emit("log_softmax", {"M": m, "V": v}, "fp32", us(SM.log_softmax, x),
+                 us(torch.log_softmax, x, -1))
+            emit("softmax", {"M": m, "V": v}, "fp32", us(SM.softmax, x),
+                 us(torch.softmax, x, -1))
+
+
+def _paged(kc_contig: torch.Tensor, bs: int, gen: torch.Generator) -> tuple[torch.Tensor, list]:
+    """[B, Hkv, L, D] contiguous -> paged [B*L/bs, bs, Hkv, D] at shuffled blocks, tables."""
+    b, hkv, n, d = kc_contig.shape
+    per = n // bs
+    perm = torch.randperm(b * per, generator=gen)
+    paged = torch.empty(b * per, bs, hkv, d, device="cuda", dtype=kc_contig.dtype)
+    for i in range(b):  # one sequence at a time keeps the temporary small
+        paged[perm[i * per:(i + 1) * per].cuda()] = kc_contig[i].permute(1, 0, 2).reshape(
+            per, bs, hkv, d)
+    return paged, perm.view(b, per).tolist()
+
+
+def _meta(tables: list, seq_lens: list[int], q_lens: list[int], bs: int) -> AttentionMetadata:
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        block_tables=torch.tensor(tables, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device="cuda"),
+        seq_lens_list=tuple(seq_lens), query_start_loc_list=tuple(qsl), block_size=bs,
+        split_size=256)
+    return A.plan_attention(meta)
+
+
+def bench_decode(variants: list[dict]) -> None:
+    hq, hkv, d, bs = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    for b in (1, 16, 128):
+        for ctx in (512, 4096, 32768):
+            k = torch.randn(b, hkv, ctx, d, device="cuda").bfloat16()
+            v = torch.randn(b, hkv, ctx, d, device="cuda").bfloat16()
+            kc, tables = _paged(k, bs, gen)
+            vc, _ = _paged(v, bs, torch.Generator().manual_seed(0))
+            q = torch.randn(b, hq, d, device="cuda").bfloat16()
+            meta = _meta(tables, [ctx] * b, [1] * b, bs)
+            scale = d ** -0.5
+            q4 = q[:, :, None]
+            stock = us(F.scaled_dot_product_attention, q4, k, v, scale=scale, enable_gqa=True)
+            ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+            for var in variants:
+                A.LAUNCH.update(var)
+                out = A.attention(q, kc, vc, meta, scale)
+                err = (out.float() - ref[:, :, 0].float()).abs().max().item()
+                t = us(A.attention, q, kc, vc, meta, scale)
+                emit("attention_decode", {"batch": b, "context": ctx, "hq": hq, "hkv": hkv,
+                                          "d": d}, "bf16", t, stock,
+                     max_abs_err=err, launch=dict(A.LAUNCH))
+            del k, v, kc, vc
+            torch.cuda.empty_cache()
+
+
+def bench_prefill(variants: list[dict]) -> None:
+    hq, hkv, d, bs = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(1)
+    for n in (512, 4096, 16384):
+        k = torch.randn(1, hkv, n, d, device="cuda").bfloat16()
+        v = torch.randn(1, hkv, n, d, device="cuda").bfloat16()
+        kc, tables = _paged(k, bs, gen)
+        vc, _ = _paged(v, bs, torch.Generator().manual_seed(1))
+        q = torch.randn(n, hq, d, device="cuda").bfloat16()
+        qc = q.transpose(0, 1)[None].contiguous()
+        scale = d ** -0.5
+        stock = us(F.scaled_dot_product_attention, qc, k, v, is_causal=True, scale=scale,
+                   enable_gqa=True)
+        ref = F.scaled_dot_product_attention(qc, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        base = _meta(tables, [n], [n], bs)
+        for var in variants:
+            var = dict(var)
+            block_m, flat = var.pop("block_m", None), var.pop("flat", True)
+            A.LAUNCH.update(var)
+            meta = dataclasses.replace(base, plan=A.plan(base, block_m=block_m, flat=flat))
+            out = A.attention(q, kc, vc, meta, scale)
+            err = (out.float() - ref.float()).abs().max().item()
+            t = us(A.attention, q, kc, vc, meta, scale)
+            flops = 4 * hq * d * n * n / 2
+            emit("attention_prefill", {"tokens": n, "hq": hq, "hkv": hkv, "d": d}, "bf16", t,
+                 stock, max_abs_err=err, tflops=round(flops / t / 1e6, 1),
+                 launch={**A.LAUNCH, "block_m": meta.plan.block_m, "flat": flat})
+        del k, v, kc, vc
+        torch.cuda.empty_cache()
+
+
+def summary() -> None:
+    groups: dict[str, list[float]] = {}
+    for r in ROWS:
+        groups.setdefault(r["op"], []).append(r["ratio"])
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
+    for op, rs in groups.items():
+        gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
+        print(f"{op:20s} n={len(rs):3d} geomean={gm:.3f} max={max(rs):.3f} min={min(rs):.3f}",
+              file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", default="linear,norms,decode,prefill")
+    ap.add_argument("--sweep", default="", help="linear | attention")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ops = args.ops.split(",")
+    if "linear" in ops:
+        bench_linear(args.sweep == "linear")
+    if "norms" in ops:
+        bench_norms()
+    sweep_att = args.sweep == "attention"
+    if "decode" in ops:
+        bench_decode([{"split_stages": s, "split_warps": w} for s in (2, 3) for w in (4, 2)]
+                     if sweep_att else [{}])
+    if "prefill" in ops:
+        bench_prefill([{"block_m": bm, "flat": f, "prefill_stages": s}
+                       for bm in (64, 128) for f in (True, False) for s in (2, 3)]
+                      if sweep_att else [{}])
+    summary()
+
+
+if __name__ == "__main__":
+    main()

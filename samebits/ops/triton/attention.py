@@ -1,0 +1,125 @@
+"""Batch-invariant paged causal attention on CUDA (prefill, chunked prefill and decode, GQA).
+
+Contract (design.md section 1, the arithmetic of reference.py): the query at position p reduces
+over KV positions [0, p] in splits of ``split_size`` keys; each split is walked in blocks of
+``key_block(split_size)`` keys in ascending order (online softmax from an empty state), and the
+split partials are merged in ascending order. The bits of a query's output depend only on q, p
+and the K/V of positions [0, p] of its own sequence -- never on how many queries of the sequence
+run this step, on the batch, or on which physical blocks hold its KV.
+
+Two schedules produce those bits (attention_kernels.py holds the shared arithmetic):
+
+- *split* (flash-decoding): one program per (token, kv head, split) writes the split's fp32
+  partial; ``_merge_kernel`` folds them in order. Used for sequences with few queries this step.
+- *prefill*: one program per (tile of up to ``block_m`` queries, query head) walks the splits in
+  order and merges them in registers. Used for sequences with ``PREFILL_MIN_QUERIES`` or more.
+
+``plan_attention`` builds the index tensors of both once per forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from samebits.ops.backend import AttentionMetadata
+from samebits.ops.triton.attention_kernels import _merge_kernel, _prefill_kernel, _split_kernel
+
+PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
+LOG2E = 1.4426950408889634
+# launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
+LAUNCH = {"split_warps": 4, "split_stages": 3, "prefill_stages": 2, "merge_warps": 4}
+
+
+def key_block(split_size: int) -> int:
+    """Keys per online-softmax block: part of the arithmetic, a function of split_size alone."""
+    for n in (64, 32, 16):
+        if split_size % n == 0:
+            return n
+    raise ValueError(f"attention split_size {split_size} must be a multiple of 16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttentionPlan:
+    dec_seq: torch.Tensor  # [n_dec] int32: sequence of each split-path token
+    dec_pos: torch.Tensor  # [n_dec] int32: its position
+    dec_row: torch.Tensor  # [n_dec] int32: its row in q / out
+    dec_max_splits: int
+    tiles: torch.Tensor  # [n_tiles, 4] int32: (seq, first row, count, first position)
+    block_m: int
+    flat: bool = True  # prefill walks blocks in one loop, merging at split ends
+
+
+def plan(meta: AttentionMetadata, block_m: int | None = None,
+         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool = True) -> TritonAttentionPlan:
+    qsl, split = meta.query_start_loc_list, meta.split_size
+    dec_seq, dec_pos, dec_row, spans = [], [], [], []
+    for b, seq_len in enumerate(meta.seq_lens_list):
+        n = qsl[b + 1] - qsl[b]
+        first = seq_len - n
+        if n >= min_prefill:
+            spans.append((b, qsl[b], n, first))
+        else:
+            dec_seq += [b] * n
+            dec_pos += range(first, seq_len)
+            dec_row += range(qsl[b], qsl[b + 1])
+    if block_m is None:
+        block_m = 128 if sum(s[2] for s in spans) >= 4096 else 64
+    tiles = [(b, t0 + i, min(block_m, n - i), first + i)
+             for b, t0, n, first in spans for i in range(0, n, block_m)]
+    tiles.sort(key=lambda tl: -(tl[3] + tl[2]))  # longest first: better load balance
+    dev = meta.seq_lens.device
+
+    def ints(v: list) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True)
+
+    return TritonAttentionPlan(
+        dec_seq=ints(dec_seq), dec_pos=ints(dec_pos), dec_row=ints(dec_row),
+        dec_max_splits=max(dec_pos, default=0) // split + 1,
+        tiles=ints(tiles).view(-1, 4), block_m=block_m, flat=flat)
+
+
+def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(meta, plan=plan(meta))
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if d < 16 or d & (d - 1):
+        raise NotImplementedError(f"triton attention: head dim {d} is not a power of two >= 16")
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    out = torch.empty_like(q)
+    c = scale * LOG2E
+    common = dict(D=d, BS=meta.block_size, SPLIT=meta.split_size,
+                  BLOCK_N=key_block(meta.split_size),
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    bt = meta.block_tables
+    n_dec = p.dec_row.shape[0]
+    if n_dec:
+        part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
+        part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
+        g = hq // hkv
+        _split_kernel[(n_dec, hkv, p.dec_max_splits)](
+            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
+            q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
+            p.dec_max_splits, c, G=g, ROWS=max(16, triton.next_power_of_2(g)), **common,
+            num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"])
+        _merge_kernel[(n_dec,)](
+            part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
+            p.dec_max_splits, out.stride(0), out.stride(1), c, hq,
+            HB=triton.next_power_of_2(hq), D=d, SPLIT=meta.split_size,
+            num_warps=LAUNCH["merge_warps"])
+    n_tiles = p.tiles.shape[0]
+    if n_tiles:
+        _prefill_kernel[(hq, n_tiles)](
+            q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
+            k_cache.stride(1), out.stride(0), out.stride(1), c, G=hq // hkv,
+            BLOCK_M=p.block_m, FLAT=p.flat, **common,
+            num_warps=4 if p.block_m <= 64 else 8, num_stages=LAUNCH["prefill_stages"])
+    return out

@@ -1,0 +1,187 @@
+"""Triton kernels of the split attention (see attention.py for the contract and the host side).
+
+Shared arithmetic, used verbatim by every kernel so decode and prefill produce the same bits:
+
+- ``_block_update``: one key block of ``BLOCK_N`` keys (the blocks of a split start at the split's
+  first key): scores by ``tl.dot`` from zero, invisible keys set to -inf, running max ``m``,
+  ``p = exp2(fma(s, c, -m*c))`` cast to V's dtype, ``acc = dot(p, V, acc*alpha)`` and the row
+  sum ``ls = dot(p, ones, ls*alpha)`` -- the sum goes through the tensor cores too, so it has no
+  layout-dependent reduction tree. ``c = scale * log2(e)``.
+- ``_merge``: folds a split partial (m_s, l_s, acc_s) into the running total, splits in ascending
+  order, with explicit ``fma``s (no contraction left to the compiler).
+
+A key block that is wholly invisible to a row leaves that row's state bit-for-bit unchanged
+(alpha = 1, p = 0), and so does a split that is wholly invisible to it (a2 = 0); that is why a
+kernel may walk more keys for a tile of rows than one row needs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot,
+              BS: tl.constexpr, D: tl.constexpr):
+    """K, V [BLOCK_N, D] at positions ``key_pos`` (zeros from ``k_hi`` on), via the block table."""
+    valid = key_pos < k_hi
+    blk = tl.load(bt_row + key_pos // BS, mask=valid, other=0)
+    slot = blk.to(tl.int64) * BS + key_pos % BS
+    off = slot[:, None] * stride_slot + head_off + tl.arange(0, D)[None, :]
+    k = tl.load(k_cache + off, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache + off, mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _block_update(m, ls, acc, q, k, v, visible, c, PRECISION: tl.constexpr):
+    """Online-softmax step of one key block for rows of q; see the module docstring."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m - m_safe) * c)
+    p = tl.exp2(tl.fma(s, c, -(m_safe * c)[:, None])).to(v.dtype)
+    ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+    ls = tl.dot(p, ones, ls * alpha[:, None], input_precision=PRECISION)
+    return m_new, ls, acc
+
+
+@triton.jit
+def _merge(M, L, ACC, m_s, l_s, acc_s, c):
+    """Fold one split's partial into the running (max, sum, acc) of the splits before it."""
+    m_new = tl.maximum(M, m_s)
+    a1 = tl.exp2((M - m_new) * c)
+    a2 = tl.exp2((m_s - m_new) * c)
+    return m_new, tl.fma(L, a1, l_s * a2), tl.fma(ACC, a1[:, None], acc_s * a2[:, None])
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc, part_ml,
+                  stride_qt, stride_qh, stride_bt, stride_slot, stride_pt, stride_ph, c,
+                  G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
+    head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies.
+
+    Invariance: a partial depends on q of that token/head, its position p and K/V of the split's
+    keys <= p; not on the batch, the other tokens or the physical blocks.
+    """
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(pos_ptr + j)
+    k_lo = split * SPLIT
+    if k_lo > pos:
+        return
+    b = tl.load(seq_ptr + j).to(tl.int64)
+    t = tl.load(row_ptr + j).to(tl.int64)
+    g = tl.minimum(tl.arange(0, ROWS), G - 1)
+    hq = h * G + g
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + hq[:, None] * stride_qh + d[None, :])
+    k_hi = tl.minimum(k_lo + SPLIT, pos + 1)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    ls = tl.zeros([ROWS, 16], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        key_pos = k0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
+                         stride_slot, BS, D)
+        m, ls, acc = _block_update(m, ls, acc, q, k, v, key_pos[None, :] <= pos, c, PRECISION)
+    rows = tl.arange(0, ROWS)
+    base = j.to(tl.int64) * stride_pt + hq * stride_ph + split
+    tl.store(part_ml + base * 2, m, mask=rows < G)
+    tl.store(part_ml + base * 2 + 1, tl.max(ls, 1), mask=rows < G)
+    tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_acc, part_ml, pos_ptr, row_ptr, out_ptr, stride_pt, stride_ph, stride_ot,
+                  stride_oh, c, HQ, HB: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """out = (merge of splits 0..p//SPLIT in ascending order) for every head of one token."""
+    j = tl.program_id(0)
+    pos = tl.load(pos_ptr + j)
+    t = tl.load(row_ptr + j).to(tl.int64)
+    hs = tl.arange(0, HB)
+    hmask = hs < HQ
+    d = tl.arange(0, D)
+    M = tl.full([HB], float("-inf"), tl.float32)
+    L = tl.zeros([HB], tl.float32)
+    ACC = tl.zeros([HB, D], tl.float32)
+    for split in range(0, pos // SPLIT + 1):
+        base = j.to(tl.int64) * stride_pt + hs * stride_ph + split
+        m_s = tl.load(part_ml + base * 2, mask=hmask, other=0.0)
+        l_s = tl.load(part_ml + base * 2 + 1, mask=hmask, other=1.0)
+        acc_s = tl.load(part_acc + base[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        M, L, ACC = _merge(M, L, ACC, m_s, l_s, acc_s, c)
+    out = ACC / L[:, None]
+    tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_qt, stride_qh,
+                    stride_bt, stride_slot, stride_ot, stride_oh, c, G: tl.constexpr,
+                    D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Causal attention of up to BLOCK_M consecutive queries of one sequence for query head
+    ``program_id(0)``; tile ``program_id(1)`` = (seq, first row, count, first position).
+
+    Splits are reduced one after the other and merged in registers with ``_merge`` -- the same
+    partials and the same merge as ``_split_kernel`` + ``_merge_kernel``, hence the same bits.
+    Invariance: a query's output depends on q, its position p and K/V of positions [0, p] only.
+    """
+    hq = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = tl.load(tiles_ptr + tile * 4).to(tl.int64)
+    t0 = tl.load(tiles_ptr + tile * 4 + 1).to(tl.int64)
+    n = tl.load(tiles_ptr + tile * 4 + 2)
+    p0 = tl.load(tiles_ptr + tile * 4 + 3)
+    h = hq // G
+    r = tl.minimum(tl.arange(0, BLOCK_M), n - 1)  # pad rows copy the last query
+    row_pos = p0 + r
+    max_p = p0 + n - 1
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (t0 + r)[:, None] * stride_qt + hq * stride_qh + d[None, :])
+    bt_row = bt_ptr + b * stride_bt
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    ACC = tl.zeros([BLOCK_M, D], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    ls = tl.zeros([BLOCK_M, 16], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if FLAT:
+        n_blocks = tl.cdiv(max_p + 1, BLOCK_N)
+        for jb in range(0, n_blocks):
+            key_pos = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, max_p + 1, stride_slot,
+                             BS, D)
+            visible = key_pos[None, :] <= row_pos[:, None]
+            m, ls, acc = _block_update(m, ls, acc, q, k, v, visible, c, PRECISION)
+            if ((jb + 1) % (SPLIT // BLOCK_N) == 0) | (jb == n_blocks - 1):
+                M, L, ACC = _merge(M, L, ACC, m, tl.max(ls, 1), acc, c)
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                ls = tl.zeros([BLOCK_M, 16], tl.float32)
+                acc = tl.zeros([BLOCK_M, D], tl.float32)
+    else:
+        for k_lo in range(0, max_p + 1, SPLIT):
+            k_hi = tl.minimum(k_lo + SPLIT, max_p + 1)
+            for k0 in range(k_lo, k_hi, BLOCK_N):
+                key_pos = k0 + tl.arange(0, BLOCK_N)
+                k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, k_hi, stride_slot,
+                                 BS, D)
+                m, ls, acc = _block_update(m, ls, acc, q, k, v,
+                                          key_pos[None, :] <= row_pos[:, None], c, PRECISION)
+            M, L, ACC = _merge(M, L, ACC, m, tl.max(ls, 1), acc, c)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            ls = tl.zeros([BLOCK_M, 16], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+    out = ACC / L[:, None]
+    rows = tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + (t0 + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(rows < n)[:, None])
+

@@ -1,0 +1,44 @@
+"""The CUDA batch-invariant backend: Triton kernels whose reduction orders ignore the batch.
+
+Each op's module docstring states its invariance guarantee; tests/gpu checks them bit for bit
+against the stock ops (which do change with the batch) and tests/unit/test_triton_interpret.py
+runs the same kernels on CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from samebits.ops.backend import AttentionMetadata, register
+from samebits.ops.triton import attention, linear, rms_norm, softmax
+
+
+@register("cuda", True)
+class TritonBackend:
+    name = "triton-cuda"
+    batch_invariant = True
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        return linear.linear(x, w, b)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual) in one pass."""
+        return rms_norm.add_rms_norm(x, residual, w, eps)
+
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return softmax.softmax(x)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return softmax.log_softmax(x)
+
+    def plan_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return attention.plan_attention(meta)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return attention.attention(q, k_cache, v_cache, meta, scale)

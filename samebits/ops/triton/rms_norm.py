@@ -1,0 +1,86 @@
+"""Batch-invariant RMSNorm (and residual add + RMSNorm) on CUDA.
+
+Each program normalizes ``ROWS`` whole rows; the row's sum of squares is one ``tl.sum`` over a
+``[ROWS, BLOCK]`` tile whose shape and warp count are functions of the hidden size H alone. Every
+row of the tile is reduced by the same lanes in the same tree, so a row's bits depend on its own
+values, the weight and eps -- never on the row count, its position, or its neighbours.
+
+Arithmetic (HF order): ``h = x.float(); y = (h * rsqrt(mean(h*h) + eps)).to(x.dtype); out = w * y``
+with the product taken in fp32 and rounded once to ``promote(w.dtype, x.dtype)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stride_r, stride_o,
+                     stride_s, eps, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """out = w * rms_normalize(x (+ r)); with HAS_RES also sum_out = x + r (in x's dtype).
+
+    Invariance: row i's outputs depend on x[i] (and r[i]), w and eps only; (ROWS, BLOCK, warps)
+    are fixed by H.
+    """
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=1) / H
+    y = (h * tl.rsqrt(var + eps)[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _shape(h: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps): a function of the hidden size alone."""
+    block = triton.next_power_of_2(h)
+    if block > MAX_BLOCK:
+        raise NotImplementedError(f"rms_norm: hidden size {h} > {MAX_BLOCK}")
+    rows = max(1, min(16, 2048 // block))
+    warps = min(16, max(4, rows * block // 512))
+    return rows, block, warps
+
+
+def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(x2.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
+    summed = torch.empty_like(x2) if r is not None else None
+    r2 = r.reshape(-1, h).contiguous() if r is not None else x2
+    if m:
+        rows, block, warps = _shape(h)
+        s = summed if summed is not None else out
+        _rms_norm_kernel[(triton.cdiv(m, rows),)](
+            x2, r2, w, out, s, m, h, x2.stride(0), r2.stride(0), out.stride(0), s.stride(0),
+            eps, HAS_RES=r is not None, ROWS=rows, BLOCK=block, num_warps=warps)
+    lead = x.shape[:-1]
+    return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, w, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
+    out, summed = _launch(x, residual, w, eps)
+    assert summed is not None
+    return out, summed

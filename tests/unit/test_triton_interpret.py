@@ -1,0 +1,172 @@
+"""The Triton kernels' logic on CPU, under TRITON_INTERPRET=1, on tiny shapes (CI has no GPU).
+
+Checks the invariance properties the GPU tests check (rows vs M, decode == prefill == chunks,
+batch composition, physical block placement, schedules) and closeness to a torch reference.
+Limits of the interpreter: ``tl.dot`` is a numpy matmul of the whole tile added to the accumulator
+(so on CPU the bits follow BLOCK_K; the tile configs are pinned here -- tile-shape invariance is a
+Hopper property, tested in tests/gpu), and bf16 ``tl.dot`` is wrong there (Triton 3.6 and 3.9), so
+these tests run fp16 and fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at the modules' import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from samebits.ops import reference  # noqa: E402
+from samebits.ops.backend import AttentionMetadata  # noqa: E402
+
+_MODULES = ["attention_kernels", "attention", "linear", "rms_norm", "softmax"]
+for _name in _MODULES:  # re-import under the interpreter if something imported them compiled
+    _full = f"samebits.ops.triton.{_name}"
+    if _full in sys.modules:
+        importlib.reload(sys.modules[_full])
+from samebits.ops.triton import attention as A  # noqa: E402
+from samebits.ops.triton import linear as L  # noqa: E402
+from samebits.ops.triton import rms_norm as RN  # noqa: E402
+from samebits.ops.triton import softmax as SM  # noqa: E402
+
+CFG = L.GemmConfig(16, 16, 64, 4, 2)
+
+
+def _lin(x: torch.Tensor, w: torch.Tensor, b=None, cfg=CFG, segs=1, split=None):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    L.run(x, w, b, out, cfg, segs, split=split)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [600, 512])
+def test_linear_rows_equal_for_every_m(dtype: torch.dtype, k: int) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(40, k).to(dtype), (torch.randn(24, k) / k ** 0.5).to(dtype)
+    b = torch.randn(24).to(dtype)
+    ref = torch.cat([_lin(x[i:i + 1], w, b, segs=3) for i in range(40)])
+    for m in (2, 15, 16, 17, 33, 40):
+        assert torch.equal(_lin(x[:m], w, b, segs=3), ref[:m]), m
+    perm = torch.randperm(40)
+    assert torch.equal(_lin(x[perm], w, b, segs=3), ref[perm])
+    exact = x.double() @ w.double().T + b.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert ((ref.double() - exact).norm() / exact.norm()) < tol
+
+
+def test_linear_split_equals_fused_and_public_api() -> None:
+    torch.manual_seed(1)
+    x, w = torch.randn(20, 768).half(), (torch.randn(40, 768) / 28).half()
+    for segs in (1, 2, 3):
+        fused = _lin(x, w, segs=segs, split=False)
+        assert torch.equal(_lin(x, w, segs=segs, split=True), fused), segs
+    out = L.linear(x.view(4, 5, 768), w)
+    assert out.shape == (4, 5, 40)
+    torch.testing.assert_close(out.view(20, 40).float(), x.float() @ w.float().T,
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("h", [48, 300])
+def test_rms_norm_rows(h: int) -> None:
+    torch.manual_seed(2)
+    x, r, w = torch.randn(37, h).half(), torch.randn(37, h).half(), torch.rand(h).half()
+    out = RN.rms_norm(x, w, 1e-6)
+    assert all(torch.equal(RN.rms_norm(x[i:i + 1], w, 1e-6), out[i:i + 1]) for i in range(37))
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6), rtol=2e-3, atol=2e-3)
+    normed, summed = RN.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r) and torch.equal(normed, RN.rms_norm(x + r, w, 1e-6))
+    assert torch.equal(RN.add_rms_norm(x[3:5], r[3:5], w, 1e-6)[0], normed[3:5])
+
+
+@pytest.mark.parametrize("n", [100, 9000])
+def test_softmax_rows(n: int) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(9, n) * 4
+    x[2, :7] = float("-inf")
+    for fn, ref in ((SM.softmax, torch.softmax), (SM.log_softmax, torch.log_softmax)):
+        out = fn(x)
+        assert all(torch.equal(fn(x[i:i + 1]), out[i:i + 1]) for i in range(9))
+        torch.testing.assert_close(out, ref(x, -1), rtol=1e-5, atol=1e-5)
+
+
+class Paged:
+    def __init__(self, lens: list[int], hkv: int, d: int, dtype: torch.dtype, bs: int = 8,
+                 seed: int = 0, spare: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        need = [-(-n // bs) for n in lens]
+        nb = sum(need) + spare
+        self.k = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+        self.v = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+        perm = torch.randperm(nb, generator=g).tolist()
+        self.bs, self.tables = bs, []
+        for n in need:
+            self.tables.append(perm[:n])
+            perm = perm[n:]
+
+    def meta(self, seqs: list[int], seq_lens: list[int], q_lens: list[int], split: int = 32):
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        tables = [self.tables[s] for s in seqs]
+        width = max(len(t) for t in tables)
+        return AttentionMetadata(
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                      dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64), seq_lens_list=tuple(seq_lens),
+            query_start_loc_list=tuple(qsl), block_size=self.bs, split_size=split)
+
+
+@pytest.mark.parametrize("hq,hkv,dtype", [(4, 2, torch.float16), (2, 2, torch.float32),
+                                          (3, 1, torch.float16)])
+def test_attention_decode_equals_prefill(hq: int, hkv: int, dtype: torch.dtype) -> None:
+    n, d = 75, 32  # splits of 32 keys: boundaries at 32 and 64; blocks of 8
+    cache = Paged([n], hkv, d, dtype)
+    q = torch.randn(n, hq, d).to(dtype)
+    meta = cache.meta([0], [n], [n])
+    # fp32 dots go through numpy's BLAS, whose bits follow the tile's row count: pin 16 rows,
+    # the split kernel's, there (on the GPU the tile shape does not matter)
+    block_m = 16 if dtype == torch.float32 else None
+    planned = dataclasses.replace(meta, plan=A.plan(meta, block_m=block_m))
+    pre = A.attention(q, cache.k, cache.v, planned, d ** -0.5)
+    dec = A.attention(q, cache.k, cache.v, cache.meta([0] * n, list(range(1, n + 1)), [1] * n),
+                      d ** -0.5)
+    assert torch.equal(pre, dec)
+    ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta, d ** -0.5)
+    assert (pre.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_attention_chunks_schedules_batch_and_blocks() -> None:
+    hq, hkv, d = 4, 2, 32
+    lens, q_lens = [75, 20, 40], [75, 3, 17]
+    cache = Paged(lens, hkv, d, torch.float16, seed=1)
+    qs = [torch.randn(n, hq, d).half() for n in q_lens]
+    alone = [A.attention(qs[i], cache.k, cache.v, cache.meta([i], [lens[i]], [q_lens[i]]),
+                         d ** -0.5) for i in range(3)]
+    start = 0
+    for c in (1, 7, 24, 9, 34):  # chunked prefill of sequence 0
+        out = A.attention(qs[0][start:start + c], cache.k, cache.v,
+                          cache.meta([0], [start + c], [c]), d ** -0.5)
+        assert torch.equal(out, alone[0][start:start + c]), (start, c)
+        start += c
+    meta = cache.meta([2, 0, 1], [lens[2], lens[0], lens[1]], [q_lens[2], q_lens[0], q_lens[1]])
+    batch = torch.cat([qs[2], qs[0], qs[1]])
+    for plan in (A.plan(meta, block_m=16, min_prefill=1, flat=False),
+                 A.plan(meta, block_m=32, min_prefill=10 ** 9),
+                 A.plan(meta, block_m=64, min_prefill=16, flat=True)):
+        out = A.attention(batch, cache.k, cache.v, dataclasses.replace(meta, plan=plan), d ** -0.5)
+        assert torch.equal(out, torch.cat([alone[2], alone[0], alone[1]]))
+    moved = Paged(lens, hkv, d, torch.float16, seed=7, spare=5)
+    for i, n in enumerate(lens):  # same logical KV, other physical blocks
+        for p in range(n):
+            src, dst = cache.tables[i][p // 8], moved.tables[i][p // 8]
+            moved.k[dst, p % 8], moved.v[dst, p % 8] = cache.k[src, p % 8], cache.v[src, p % 8]
+    out = A.attention(qs[0], moved.k, moved.v, moved.meta([0], [75], [75]), d ** -0.5)
+    assert torch.equal(out, alone[0])
