@@ -5,7 +5,7 @@ a gemv path, and row counts between 63 and 128 take yet another blocking (measur
 section 2). So no op here ever hands MKL a shape that depends on the batch:
 
 - ``linear`` pads the rows to whole tiles of ``TILE_M`` and runs one ``[TILE_M, K] @ [K, N]``
-  product per tile (a batched product over tiles; every tile is the same problem).
+  product per tile (every call the same problem, so the same kernel and summation order).
 - row reductions (RMSNorm, softmax, log_softmax) run tile by tile on ``[TILE_M, H]`` blocks.
 - attention reduces each query's context in splits of ``split_size`` keys, each split one fixed
   ``[TILE_Q * G, D] @ [D, split_size]`` product, splits merged in ascending order; a query tile
@@ -41,11 +41,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m == 0:
-        return x.new_empty(*lead, n)
-    xp = _pad_rows(x2, TILE_M)
-    tiles = xp.shape[0] // TILE_M
-    out = torch.bmm(xp.view(tiles, TILE_M, k), w.t().expand(tiles, k, n)).view(-1, n)[:m]
+    xp = _pad_rows(x2.contiguous(), TILE_M)
+    out = xp.new_empty(xp.shape[0], n)
+    wt = w.t()
+    # One identical [TILE_M, K] @ [K, N] call per tile. Not a single bmm over the tiles: MKL
+    # takes another path for a batch of one than for two or more (seen at N=1, and K >= 4096).
+    for i in range(0, xp.shape[0], TILE_M):
+        torch.mm(xp[i:i + TILE_M], wt, out=out[i:i + TILE_M])
+    out = out[:m]
     if b is not None:
         out = out + b
     return out.reshape(*lead, n)
@@ -150,6 +153,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return result
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bmm that never runs a batch of one (MKL takes another path for it)."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b)
+    return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+
+
 def _split(qt: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _AttentionPlan,
            n: int, s: int, split: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [s*split, (s+1)*split) for the first ``n`` tiles: (row max, [P @ V | P @ 1])."""
@@ -158,13 +168,13 @@ def _split(qt: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _
     k = k_flat[slots].permute(0, 2, 3, 1).reshape(n * hkv, d, split)
     v1 = v_flat.new_ones(n, hkv, split, d + 1)
     v1[..., :d] = v_flat[slots].permute(0, 2, 1, 3)
-    scores = torch.bmm(qt.reshape(n * hkv, rows, d), k).float().view(n, hkv, -1, g, split)
+    scores = _bmm(qt.reshape(n * hkv, rows, d), k).float().view(n, hkv, -1, g, split)
     key_pos = torch.arange(s * split, (s + 1) * split, device=qt.device)
     causal = key_pos[None, None, :] <= plan.q_pos[:n, :, None]  # [n, TILE_Q, split]
     scores = scores.masked_fill(~causal[:, None, :, None, :], -math.inf).view(n, hkv, rows, split)
     m_s = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - torch.where(m_s == -math.inf, 0.0, m_s))
-    acc_s = torch.bmm(p.to(v1.dtype).view(n * hkv, rows, split), v1.view(n * hkv, split, d + 1))
+    acc_s = _bmm(p.to(v1.dtype).view(n * hkv, rows, split), v1.view(n * hkv, split, d + 1))
     return m_s, acc_s.float().view(n, hkv, rows, d + 1)
 
 
