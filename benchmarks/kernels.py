@@ -17,9 +17,11 @@ import dataclasses
 import json
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from samebits.ops.backend import AttentionMetadata
@@ -34,10 +36,32 @@ LINEAR_MS = [1, 8, 32, 128, 512, 2048, 8192]
 ROWS: list[dict] = []
 
 
-def us(fn, *args, rep: int = 100, **kwargs) -> float:
-    """Median microseconds of fn(*args, **kwargs)."""
-    return do_bench(lambda: fn(*args, **kwargs), warmup=max(5, rep // 4), rep=rep,
-                    return_mode="median") * 1e3
+def us(fn, *args, rep: int = 100, graph: bool = True, **kwargs) -> float:
+    """Median GPU microseconds of fn(*args, **kwargs), replayed from a CUDA graph (so host launch
+    overhead -- large for Triton's Python launcher -- is not counted, for either side)."""
+    fn(*args, **kwargs)  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    if not graph:
+        return do_bench(lambda: fn(*args, **kwargs), warmup=max(5, rep // 4), rep=rep,
+                        return_mode="median") * 1e3
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*args, **kwargs)
+    t = do_bench(g.replay, warmup=max(5, rep // 4), rep=rep, return_mode="median") * 1e3
+    del g
+    return t
+
+
+def host_us(fn, *args, n: int = 200, **kwargs) -> float:
+    """Host (CPU) microseconds per eager call, the device kept busy so the queue never drains."""
+    fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*args, **kwargs)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def emit(op: str, shape: dict, dtype: str, inv: float, stock: float, **extra) -> None:
@@ -52,39 +76,41 @@ def bench_linear(sweep: bool) -> None:
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
         for m in LINEAR_MS:
             x = torch.randn(m, k, device="cuda").bfloat16()
+            if sweep and m < 128:
+                continue
             stock = us(F.linear, x, w)
             if not sweep:
                 emit("linear", {"M": m, "K": k, "N": n}, "bf16", us(L.linear, x, w), stock,
                      config=L.pick_config(m, n, k, x.dtype).__dict__,
-                     segments=L.num_segments(k, n))
+                     segments=L.num_segments(k, n), invariant_eager_us=round(
+                         us(L.linear, x, w, graph=False), 2),
+                     stock_eager_us=round(us(F.linear, x, w, graph=False), 2))
                 continue
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for cfg in _linear_candidates(m):
-                for segs in sorted({1, L.num_segments(k, n), 2, 4} if m <= 64 else
-                                   {1, L.num_segments(k, n)}):
-                    t = us(L.run, x, w, None, out, cfg, segs, rep=30)
-                    emit("linear_sweep", {"M": m, "K": k, "N": n}, "bf16", t, stock,
-                         config=cfg.__dict__, segments=segs)
+                t = us(L.run, x, w, None, out, cfg, 1, rep=30)
+                emit("linear_sweep", {"M": m, "K": k, "N": n}, "bf16", t, stock,
+                     config=cfg.__dict__, segments=1)
         del w
         torch.cuda.empty_cache()
 
 
 def _linear_candidates(m: int) -> list[L.GemmConfig]:
     G = L.GemmConfig
-    if m <= 16:
-        return [G(16, 16, 256, 4, 4), G(16, 32, 256, 4, 4), G(16, 64, 256, 4, 4),
-                G(16, 32, 512, 4, 3), G(16, 64, 128, 4, 5)]
-    if m <= 32:
-        return [G(32, 32, 256, 4, 4), G(32, 64, 128, 4, 4), G(32, 64, 256, 4, 3),
-                G(32, 128, 128, 4, 4)]
     if m <= 128:
-        return [G(64, 128, 64, 4, 4), G(128, 64, 64, 4, 4), G(64, 64, 128, 4, 4),
-                G(128, 128, 64, 8, 4), G(64, 256, 64, 8, 3)]
+        return [G(64, 64, 128, 4, 4), G(64, 128, 64, 4, 4), G(64, 128, 64, 4, 4, tma=True),
+                G(64, 64, 64, 4, 4, tma=True), G(64, 128, 128, 4, 3, tma=True),
+                G(128, 64, 64, 4, 4, tma=True), G(64, 256, 64, 4, 3, tma=True),
+                G(128, 128, 64, 4, 4, tma=True)]
     if m <= 512:
-        return [G(128, 128, 64, 8, 4), G(128, 128, 64, 4, 4), G(128, 256, 64, 8, 3),
-                G(64, 128, 64, 4, 4), G(64, 256, 64, 8, 3)]
-    return [G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 4), G(256, 128, 64, 8, 3),
-            G(128, 256, 64, 8, 4), G(128, 128, 64, 4, 4)]
+        return [G(128, 128, 64, 4, 4), G(128, 128, 64, 4, 4, tma=True),
+                G(128, 128, 64, 8, 4, tma=True), G(64, 128, 64, 4, 4, tma=True),
+                G(64, 256, 64, 4, 3, tma=True), G(128, 256, 64, 8, 3, tma=True),
+                G(128, 64, 64, 4, 4, tma=True), G(128, 128, 128, 8, 3, tma=True)]
+    return [G(128, 128, 64, 4, 4), G(256, 128, 64, 8, 3), G(128, 256, 64, 8, 3, tma=True),
+            G(128, 256, 64, 8, 4, tma=True), G(128, 128, 64, 8, 4, tma=True),
+            G(128, 128, 64, 4, 4, tma=True), G(128, 256, 64, 8, 3, tma=True, ws=True),
+            G(256, 128, 64, 8, 3, tma=True), G(128, 128, 128, 8, 3, tma=True)]
 
 
 def _add_then_norm(std: StandardBackend, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
@@ -98,9 +124,12 @@ def bench_norms() -> None:
         x = torch.randn(m, 4096, device="cuda").bfloat16()
         r = torch.randn(m, 4096, device="cuda").bfloat16()
         w = torch.rand(4096, device="cuda").bfloat16()
+        hf = us(std.rms_norm, x, w, 1e-6)
+        fused = us(F.rms_norm, x, (4096,), w, 1e-6)
         emit("rms_norm", {"M": m, "H": 4096}, "bf16", us(RN.rms_norm, x, w, 1e-6),
-             us(std.rms_norm, x, w, 1e-6),
-             torch_F_rms_norm_us=round(us(F.rms_norm, x, (4096,), w, 1e-6), 2))
+             min(hf, fused), stock_hf_composite_us=round(hf, 2), stock_F_rms_norm_us=round(fused, 2),
+             invariant_host_us=round(host_us(RN.rms_norm, x, w, 1e-6), 1),
+             stock_host_us=round(host_us(F.rms_norm, x, (4096,), w, 1e-6), 1))
         emit("add_rms_norm", {"M": m, "H": 4096}, "bf16",
              us(RN.add_rms_norm, x, r, w, 1e-6),
              us(_add_then_norm, std, x, r, w))
@@ -113,11 +142,10 @@ def bench_norms() -> None:
                  us(torch.softmax, x, -1))
 
 
-def _paged(kc_contig: torch.Tensor, bs: int, gen: torch.Generator) -> tuple[torch.Tensor, list]:
-    """[B, Hkv, L, D] contiguous -> paged [B*L/bs, bs, Hkv, D] at shuffled blocks, tables."""
+def _paged(kc_contig: torch.Tensor, bs: int, perm: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """[B, Hkv, L, D] contiguous -> paged [B*L/bs, bs, Hkv, D] at blocks ``perm``, tables."""
     b, hkv, n, d = kc_contig.shape
     per = n // bs
-    perm = torch.randperm(b * per, generator=gen)
     paged = torch.empty(b * per, bs, hkv, d, device="cuda", dtype=kc_contig.dtype)
     for i in range(b):  # one sequence at a time keeps the temporary small
         paged[perm[i * per:(i + 1) * per].cuda()] = kc_contig[i].permute(1, 0, 2).reshape(
@@ -146,8 +174,9 @@ def bench_decode(variants: list[dict]) -> None:
         for ctx in (512, 4096, 32768):
             k = torch.randn(b, hkv, ctx, d, device="cuda").bfloat16()
             v = torch.randn(b, hkv, ctx, d, device="cuda").bfloat16()
-            kc, tables = _paged(k, bs, gen)
-            vc, _ = _paged(v, bs, torch.Generator().manual_seed(0))
+            perm = torch.randperm(b * ctx // bs, generator=gen)
+            kc, tables = _paged(k, bs, perm)
+            vc, _ = _paged(v, bs, perm)
             q = torch.randn(b, hq, d, device="cuda").bfloat16()
             meta = _meta(tables, [ctx] * b, [1] * b, bs)
             scale = d ** -0.5
@@ -161,7 +190,8 @@ def bench_decode(variants: list[dict]) -> None:
                 t = us(A.attention, q, kc, vc, meta, scale)
                 emit("attention_decode", {"batch": b, "context": ctx, "hq": hq, "hkv": hkv,
                                           "d": d}, "bf16", t, stock,
-                     max_abs_err=err, launch=dict(A.LAUNCH))
+                     max_abs_err=err, launch=dict(A.LAUNCH),
+                     invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1))
             del k, v, kc, vc
             torch.cuda.empty_cache()
 
@@ -172,19 +202,28 @@ def bench_prefill(variants: list[dict]) -> None:
     for n in (512, 4096, 16384):
         k = torch.randn(1, hkv, n, d, device="cuda").bfloat16()
         v = torch.randn(1, hkv, n, d, device="cuda").bfloat16()
-        kc, tables = _paged(k, bs, gen)
-        vc, _ = _paged(v, bs, torch.Generator().manual_seed(1))
+        perm = torch.randperm(n // bs, generator=gen)
+        kc, tables = _paged(k, bs, perm)
+        vc, _ = _paged(v, bs, perm)
         q = torch.randn(n, hq, d, device="cuda").bfloat16()
         qc = q.transpose(0, 1)[None].contiguous()
         scale = d ** -0.5
         stock = us(F.scaled_dot_product_attention, qc, k, v, is_causal=True, scale=scale,
                    enable_gqa=True)
+        backends = {}
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    backends[name] = round(us(F.scaled_dot_product_attention, qc, k, v,
+                                              is_causal=True, scale=scale, enable_gqa=True), 1)
+            except RuntimeError as e:
+                backends[name] = str(e)[:60]
         ref = F.scaled_dot_product_attention(qc, k, v, is_causal=True, scale=scale,
                                              enable_gqa=True)[0].transpose(0, 1)
         base = _meta(tables, [n], [n], bs)
         for var in variants:
             var = dict(var)
-            block_m, flat = var.pop("block_m", None), var.pop("flat", True)
+            block_m, flat = var.pop("block_m", None), var.pop("flat", None)
             A.LAUNCH.update(var)
             meta = dataclasses.replace(base, plan=A.plan(base, block_m=block_m, flat=flat))
             out = A.attention(q, kc, vc, meta, scale)
@@ -193,7 +232,8 @@ def bench_prefill(variants: list[dict]) -> None:
             flops = 4 * hq * d * n * n / 2
             emit("attention_prefill", {"tokens": n, "hq": hq, "hkv": hkv, "d": d}, "bf16", t,
                  stock, max_abs_err=err, tflops=round(flops / t / 1e6, 1),
-                 launch={**A.LAUNCH, "block_m": meta.plan.block_m, "flat": flat})
+                 launch={**A.LAUNCH, "block_m": meta.plan.block_m, "flat": meta.plan.flat},
+                 stock_by_backend_us=backends)
         del k, v, kc, vc
         torch.cuda.empty_cache()
 
@@ -222,7 +262,8 @@ def main() -> None:
         bench_norms()
     sweep_att = args.sweep == "attention"
     if "decode" in ops:
-        bench_decode([{"split_stages": s, "split_warps": w} for s in (2, 3) for w in (4, 2)]
+        bench_decode([{"split_stages": s, "split_warps": w, "merge_stages": ms}
+                      for s, w in ((2, 1), (3, 1), (3, 2), (4, 2)) for ms in (4, 12)]
                      if sweep_att else [{}])
     if "prefill" in ops:
         bench_prefill([{"block_m": bm, "flat": f, "prefill_stages": s}

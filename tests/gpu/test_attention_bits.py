@@ -91,7 +91,7 @@ def test_chunked_prefill_and_schedules() -> None:
     cache = Paged([n], hkv, d, torch.bfloat16, seed=1)
     q = torch.randn(n, hq, d, device="cuda").bfloat16()
     pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n]), d ** -0.5)
-    chunks = [1, 15, 16, 17, 63, 64, 65, 255, 1, 256, 257, 2, 290]
+    chunks = [1, 15, 16, 17, 63, 64, 65, 255, 1, 256, 257, 2, 288]
     assert sum(chunks) == n
     start = 0
     for c in chunks:  # each chunk alone: seq_len = end of chunk

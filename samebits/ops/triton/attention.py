@@ -30,7 +30,8 @@ from samebits.ops.triton.attention_kernels import _merge_kernel, _prefill_kernel
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
-LAUNCH = {"split_warps": 4, "split_stages": 3, "prefill_stages": 2, "merge_warps": 4}
+LAUNCH = {"split_warps": 2, "split_stages": 3, "prefill_stages": 3, "merge_warps": 1,
+          "merge_heads": 1, "merge_stages": 8, "prefill_block_m": None, "prefill_flat": False}
 
 
 def key_block(split_size: int) -> int:
@@ -49,11 +50,11 @@ class TritonAttentionPlan:
     dec_max_splits: int
     tiles: torch.Tensor  # [n_tiles, 4] int32: (seq, first row, count, first position)
     block_m: int
-    flat: bool = True  # prefill walks blocks in one loop, merging at split ends
+    flat: bool = False  # prefill walks blocks in one loop, merging at split ends
 
 
 def plan(meta: AttentionMetadata, block_m: int | None = None,
-         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool = True) -> TritonAttentionPlan:
+         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool | None = None) -> TritonAttentionPlan:
     qsl, split = meta.query_start_loc_list, meta.split_size
     dec_seq, dec_pos, dec_row, spans = [], [], [], []
     for b, seq_len in enumerate(meta.seq_lens_list):
@@ -65,8 +66,8 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
             dec_seq += [b] * n
             dec_pos += range(first, seq_len)
             dec_row += range(qsl[b], qsl[b + 1])
-    if block_m is None:
-        block_m = 128 if sum(s[2] for s in spans) >= 4096 else 64
+    block_m = block_m or LAUNCH["prefill_block_m"] or 64
+    flat = LAUNCH["prefill_flat"] if flat is None else flat
     tiles = [(b, t0 + i, min(block_m, n - i), first + i)
              for b, t0, n, first in spans for i in range(0, n, block_m)]
     tiles.sort(key=lambda tl: -(tl[3] + tl[2]))  # longest first: better load balance
@@ -110,11 +111,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
             p.dec_max_splits, c, G=g, ROWS=max(16, triton.next_power_of_2(g)), **common,
             num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"])
-        _merge_kernel[(n_dec,)](
+        hb = LAUNCH["merge_heads"]
+        _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
             part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
-            p.dec_max_splits, out.stride(0), out.stride(1), c, hq,
-            HB=triton.next_power_of_2(hq), D=d, SPLIT=meta.split_size,
-            num_warps=LAUNCH["merge_warps"])
+            p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
+            SPLIT=meta.split_size, STAGES=LAUNCH["merge_stages"], num_warps=LAUNCH["merge_warps"])
     n_tiles = p.tiles.shape[0]
     if n_tiles:
         _prefill_kernel[(hq, n_tiles)](

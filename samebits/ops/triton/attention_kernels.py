@@ -100,18 +100,22 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
 
 @triton.jit
 def _merge_kernel(part_acc, part_ml, pos_ptr, row_ptr, out_ptr, stride_pt, stride_ph, stride_ot,
-                  stride_oh, c, HQ, HB: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-    """out = (merge of splits 0..p//SPLIT in ascending order) for every head of one token."""
+                  stride_oh, c, HQ, HB: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """out = merge of splits 0..p//SPLIT, ascending, for HB heads of one token (program_id 0, 1).
+
+    The loop's loads are software-pipelined STAGES deep (they do not depend on the fold).
+    """
     j = tl.program_id(0)
+    hs = tl.program_id(1) * HB + tl.arange(0, HB)
+    hmask = hs < HQ
     pos = tl.load(pos_ptr + j)
     t = tl.load(row_ptr + j).to(tl.int64)
-    hs = tl.arange(0, HB)
-    hmask = hs < HQ
     d = tl.arange(0, D)
     M = tl.full([HB], float("-inf"), tl.float32)
     L = tl.zeros([HB], tl.float32)
     ACC = tl.zeros([HB, D], tl.float32)
-    for split in range(0, pos // SPLIT + 1):
+    for split in tl.range(0, pos // SPLIT + 1, num_stages=STAGES):
         base = j.to(tl.int64) * stride_pt + hs * stride_ph + split
         m_s = tl.load(part_ml + base * 2, mask=hmask, other=0.0)
         l_s = tl.load(part_ml + base * 2 + 1, mask=hmask, other=1.0)
@@ -170,7 +174,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_
     else:
         for k_lo in range(0, max_p + 1, SPLIT):
             k_hi = tl.minimum(k_lo + SPLIT, max_p + 1)
-            for k0 in range(k_lo, k_hi, BLOCK_N):
+            # blocks wholly at or below the tile's first position need no mask (same bits)
+            k_mid = tl.maximum(k_lo, tl.minimum(k_hi, k_lo + (p0 + 1 - k_lo) // BLOCK_N * BLOCK_N))
+            for k0 in range(k_lo, k_mid, BLOCK_N):
+                key_pos = k0 + tl.arange(0, BLOCK_N)
+                k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, k_hi, stride_slot,
+                                 BS, D)
+                m, ls, acc = _block_update(m, ls, acc, q, k, v, True, c, PRECISION)
+            for k0 in range(k_mid, k_hi, BLOCK_N):
                 key_pos = k0 + tl.arange(0, BLOCK_N)
                 k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, k_hi, stride_slot,
                                  BS, D)

@@ -1,0 +1,124 @@
+"""Triton kernels of the batch-invariant linear (host side, contract and tile policy: linear.py).
+
+Every kernel here accumulates each output element from zero in fp32 with ``tl.dot`` over ascending
+K, in steps the tensor cores take 16 K-elements at a time; the tile shape and the load path
+(pointers + cp.async, or TMA descriptors) do not change that order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, K, stride_xm, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, ascending K."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0)
+            b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   stride_ps, SEG_K, NUM_SEGS, SPLIT: tl.constexpr, MULTI: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """out = x @ w.T (+ b) with the segment order of the module docstring.
+
+    Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and (SEG_K, NUM_SEGS) --
+    not on M, the row's position, the tile shape or the program count. SPLIT=True writes the fp32
+    partial of segment ``program_id(1)`` to ``out_ptr + seg * stride_ps`` instead; MULTI is
+    ``NUM_SEGS > 1`` (compile-time, so one segment keeps one accumulator).
+    """
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = (rows % M).to(tl.int64)  # clamped rows/cols: loads need no masks, the store is masked
+    offs_n = (cols % N).to(tl.int64)
+    if SPLIT:
+        seg = tl.program_id(1)
+        k_lo = seg * SEG_K
+        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, tl.minimum(k_lo + SEG_K, K), K,
+                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        out_ptr += seg * stride_ps
+    else:
+        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, 0, tl.minimum(SEG_K, K), K,
+                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        if MULTI:  # NUM_SEGS > 1
+            for seg in range(1, NUM_SEGS):
+                k_lo = seg * SEG_K
+                total += _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo,
+                                      tl.minimum(k_lo + SEG_K, K), K, stride_xm, stride_wn,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+        if HAS_BIAS:
+            total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """out = ((p0 + p1) + p2) ... (+ b): the fused kernel's sum, element by element."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for seg in range(1, NUM_SEGS):
+        total += tl.load(part_ptr + seg * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr):
+    """Persistent TMA GEMM, one segment: out = x @ w.T (+ b); programs stride over output tiles.
+
+    Invariance: as ``_linear_kernel`` with one segment -- ``out[i, j]`` depends on x[i, :], w[j, :]
+    and b[j] only (K tails are zero-filled by the TMA unit, like the masked loads there).
+    """
+    start = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    width = GROUP_M * grid_n
+    for tile in tl.range(start, grid_m * grid_n, NUM_PROGRAMS, flatten=True, warp_specialize=WS):
+        first_m = (tile // width) * GROUP_M
+        group_size = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % group_size
+        pid_n = (tile % width) // group_size
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
