@@ -65,6 +65,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(same) else 1
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (or SAMEBITS_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: from --model)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the per-request seeds drawn for requests without one")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server (samebits.server)."""
+    from samebits.server.app import serve
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="samebits", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--max-tokens", type=int, default=16)
     _engine_args(ver)
     ver.set_defaults(func=cmd_verify)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)")
+    _serve_args(srv)
+    _engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

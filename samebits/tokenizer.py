@@ -9,6 +9,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from samebits.config import ModelFormatError, read_json
 
@@ -73,6 +74,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_piece(self, token_id: int) -> str | None:
+        """The vocabulary entry of one token (byte-level pieces spell bytes: 'Ġ' is a space)."""
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def byte_level(self) -> bool:
+        return isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:

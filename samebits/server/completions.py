@@ -1,0 +1,91 @@
+"""``POST /v1/completions``: prompts (text or token ids, one or many) -> n choices each."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from samebits.engine.sequence import RequestOutput
+from samebits.server.async_engine import RequestGroup
+from samebits.server.errors import APIError
+from samebits.server.logprobs import completion_logprobs, text_length
+from samebits.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from samebits.server.serving import (
+    ServingContext,
+    collect,
+    deltas,
+    make_group,
+    new_id,
+    sampling_params,
+    sse,
+    submit,
+    usage,
+)
+from samebits.server.tokens import TextStream
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
+                            ) -> CompletionResponse | StreamingResponse:
+    ctx.check_model(req.model)
+    prompts = _prompts(ctx, req.prompt)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    for ids in prompts:
+        ctx.check_length(ids, max_tokens, "prompt")
+    params = sampling_params(req, max_tokens, req.logprobs)
+    response_id = new_id("cmpl")
+    group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream)
+    seed = await submit(ctx, group)
+    header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
+                  seed=seed)
+    if req.stream:
+        return sse(ctx, group, lambda: _events(ctx, req, group, header))
+    outputs = await collect(ctx, group, request)
+    choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
+    return CompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+
+
+def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [ctx.encode(prompt, "prompt")]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt[0], str):
+        return [ctx.encode(p, "prompt") for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+def _choice(ctx: ServingContext, req: CompletionRequest, index: int, out: RequestOutput,
+            seed: int) -> CompletionChoice:
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.logprobs,
+                                       out.top_logprobs)
+    return CompletionChoice(index=index, text=out.text, logprobs=logprobs,
+                            finish_reason=out.finish_reason, seed=seed)
+
+
+async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
+                  header: dict) -> AsyncIterator[CompletionResponse]:
+    texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
+    offsets = [0] * len(texts)
+    finals: list[RequestOutput] = [None] * len(texts)  # type: ignore[list-item]
+    async for d in deltas(group):
+        text = texts[d.index].push(d.token_ids)
+        if d.output is not None:
+            text += texts[d.index].finish(d.output.text)
+            finals[d.index] = d.output
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(ctx.token_text, d.token_ids, d.logprobs,
+                                           d.top_logprobs, offsets[d.index])
+            offsets[d.index] += text_length(ctx.token_text, d.token_ids)
+        finish = d.output.finish_reason if d.output is not None else None
+        yield CompletionResponse(**header, choices=[CompletionChoice(
+            index=d.index, text=text, logprobs=logprobs, finish_reason=finish,
+            seed=group.seeds[d.index])])
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield CompletionResponse(**header, choices=[], usage=usage(finals, req.n))

@@ -1,0 +1,54 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from samebits.server.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500
+                                       else "invalid_request_error")
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 naming the field (never echoing the input)."""
+    err = e.errors(include_url=False, include_input=False)[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON (UTF-8): {err['msg']}",
+                        code="invalid_json")
+    loc = [str(x) for x in err["loc"]]
+    where = ".".join(loc)
+    message = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{where}: {message}" if where else message,
+                    param=loc[0] if loc else None, code=err["type"])
+
+
+_FIELD = re.compile(r"^([a-z_]+)\b")
+_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
+           "n", "prompt", "messages"}
+
+
+def from_value_error(e: ValueError) -> APIError:
+    """Engine-side validation (SamplingParams, LLMEngine.add_request) names the field first."""
+    message = str(e)
+    m = _FIELD.match(message)
+    return APIError(400, message, param=m.group(1) if m and m.group(1) in _PARAMS else None)

@@ -1,0 +1,63 @@
+"""Prometheus metrics, in a registry of the app's own (two apps in one process never collide).
+
+The HTTP side counts requests by status; the engine loop reports tokens, queue lengths, batch
+sizes, KV blocks in use and latencies. prometheus_client is thread-safe, so both may write.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model: str, fingerprint: str, batch_invariant: bool) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("samebits_requests", "HTTP requests to /v1/*, by status code",
+                                ["status"], registry=r)
+        self.finished = Counter("samebits_engine_requests_finished",
+                                "Engine requests (one per choice) finished, by reason",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("samebits_prompt_tokens", "Prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("samebits_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.running = Gauge("samebits_num_requests_running", "Engine requests running",
+                             registry=r)
+        self.waiting = Gauge("samebits_num_requests_waiting", "Engine requests waiting",
+                             registry=r)
+        self.kv_blocks = Gauge("samebits_kv_blocks_in_use", "KV cache blocks referenced by "
+                               "requests (free prefix-cache blocks not counted)", registry=r)
+        self.kv_blocks_total = Gauge("samebits_kv_blocks_total", "KV cache blocks", registry=r)
+        self.batch_size = Histogram("samebits_batch_size", "Sequences that made progress in an "
+                                    "engine step", buckets=_BATCH_BUCKETS, registry=r)
+        self.ttft = Histogram("samebits_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("samebits_inter_token_latency_seconds", "Time between two tokens "
+                             "of one request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.invariant = Gauge("samebits_batch_invariant", "1 when the batch-invariant numerics "
+                               "are on, 0 in standard mode", registry=r)
+        self.invariant.set(1 if batch_invariant else 0)
+        info = Gauge("samebits_model_info", "The served model and its numerics fingerprint",
+                     ["model", "system_fingerprint"], registry=r)
+        info.labels(model=model, system_fingerprint=fingerprint).set(1)
+
+    def set_engine_state(self, running: int, waiting: int, kv_blocks: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_blocks.set(kv_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
