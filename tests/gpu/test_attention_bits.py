@@ -100,6 +100,15 @@ def test_chunked_prefill_and_schedules() -> None:
         assert torch.equal(out, pre[start:start + c]), (start, c)
         start += c
     meta = cache.meta([0], [n], [n])
+    for fused in (False, True):  # split path: merge kernel, or merged by the last split program
+        old = A.LAUNCH["fused_merge"]
+        A.LAUNCH["fused_merge"] = fused
+        try:
+            p = A.plan(meta, min_prefill=10 ** 9)
+            out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
+        finally:
+            A.LAUNCH["fused_merge"] = old
+        assert torch.equal(out, pre), fused
     for block_m in (64, 128):
         for flat in (True, False):
             for min_prefill in (1, 16, 10 ** 9):

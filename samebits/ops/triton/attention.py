@@ -30,8 +30,9 @@ from samebits.ops.triton.attention_kernels import _merge_kernel, _prefill_kernel
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
-LAUNCH = {"split_warps": 2, "split_stages": 3, "prefill_stages": 3, "merge_warps": 1,
-          "merge_heads": 1, "merge_stages": 8, "prefill_block_m": None, "prefill_flat": False}
+LAUNCH = {"split_warps": 2, "split_stages": 3, "prefill_stages": None, "merge_warps": 1,
+          "merge_heads": 1, "merge_stages": 8, "prefill_block_m": None, "prefill_flat": False,
+          "fused_merge": True}
 
 
 def key_block(split_size: int) -> int:
@@ -51,6 +52,7 @@ class TritonAttentionPlan:
     tiles: torch.Tensor  # [n_tiles, 4] int32: (seq, first row, count, first position)
     block_m: int
     flat: bool = False  # prefill walks blocks in one loop, merging at split ends
+    counters: torch.Tensor | None = None  # fused-merge counters (made on first use)
 
 
 def plan(meta: AttentionMetadata, block_m: int | None = None,
@@ -66,7 +68,8 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
             dec_seq += [b] * n
             dec_pos += range(first, seq_len)
             dec_row += range(qsl[b], qsl[b + 1])
-    block_m = block_m or LAUNCH["prefill_block_m"] or 64
+    auto = 128 if sum(sp[2] for sp in spans) >= 2048 else 64
+    block_m = block_m or LAUNCH["prefill_block_m"] or auto
     flat = LAUNCH["prefill_flat"] if flat is None else flat
     tiles = [(b, t0 + i, min(block_m, n - i), first + i)
              for b, t0, n, first in spans for i in range(0, n, block_m)]
@@ -80,6 +83,15 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
         dec_seq=ints(dec_seq), dec_pos=ints(dec_pos), dec_row=ints(dec_row),
         dec_max_splits=max(dec_pos, default=0) // split + 1,
         tiles=ints(tiles).view(-1, 4), block_m=block_m, flat=flat)
+
+
+def _counters(p: TritonAttentionPlan, n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one per (token, kv head); each use leaves them
+    at zero again, so one buffer per plan serves every layer."""
+    if p.counters is None or p.counters.numel() < n:
+        object.__setattr__(p, "counters", torch.zeros(max(n, 64), dtype=torch.int32,
+                                                      device=device))
+    return p.counters
 
 
 def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
@@ -106,21 +118,28 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
         part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
         g = hq // hkv
+        fused = LAUNCH["fused_merge"]
+        counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
         _split_kernel[(n_dec, hkv, p.dec_max_splits)](
-            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
-            q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
-            p.dec_max_splits, c, G=g, ROWS=max(16, triton.next_power_of_2(g)), **common,
-            num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"])
-        hb = LAUNCH["merge_heads"]
-        _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
-            part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
-            p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
-            SPLIT=meta.split_size, STAGES=LAUNCH["merge_stages"], num_warps=LAUNCH["merge_warps"])
+            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
+            counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
+            hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=g,
+            ROWS=max(16, triton.next_power_of_2(g)), **common, FUSED=fused,
+            STAGES=LAUNCH["merge_stages"], num_warps=LAUNCH["split_warps"],
+            num_stages=LAUNCH["split_stages"])
+        if not fused:
+            hb = LAUNCH["merge_heads"]
+            _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
+                part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
+                p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
+                SPLIT=meta.split_size, STAGES=LAUNCH["merge_stages"],
+                num_warps=LAUNCH["merge_warps"])
     n_tiles = p.tiles.shape[0]
     if n_tiles:
         _prefill_kernel[(hq, n_tiles)](
             q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
             k_cache.stride(1), out.stride(0), out.stride(1), c, G=hq // hkv,
             BLOCK_M=p.block_m, FLAT=p.flat, **common,
-            num_warps=4 if p.block_m <= 64 else 8, num_stages=LAUNCH["prefill_stages"])
+            num_warps=4 if p.block_m <= 64 else 8,
+            num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2))
     return out

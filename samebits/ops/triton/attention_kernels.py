@@ -60,11 +60,14 @@ def _merge(M, L, ACC, m_s, l_s, acc_s, c):
 
 @triton.jit
 def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc, part_ml,
-                  stride_qt, stride_qh, stride_bt, stride_slot, stride_pt, stride_ph, c,
-                  G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  out_ptr, cnt_ptr, stride_qt, stride_qh, stride_bt, stride_slot, stride_pt,
+                  stride_ph, stride_ot, stride_oh, c, G: tl.constexpr, ROWS: tl.constexpr,
+                  D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
     """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
     head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies.
+    With FUSED, the last of the token's split programs to finish (an atomic counter per token and
+    kv head, reset by that program) merges all of them in order, as ``_merge_kernel`` would.
 
     Invariance: a partial depends on q of that token/head, its position p and K/V of the split's
     keys <= p; not on the batch, the other tokens or the physical blocks.
@@ -96,6 +99,37 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
     tl.store(part_ml + base * 2, m, mask=rows < G)
     tl.store(part_ml + base * 2 + 1, tl.max(ls, 1), mask=rows < G)
     tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
+    if FUSED:
+        n_splits = pos // SPLIT + 1
+        counter = cnt_ptr + j * tl.num_programs(1) + h
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            tl.store(counter, 0)
+            hs = h * G + tl.arange(0, ROWS)
+            hmask = tl.arange(0, ROWS) < G
+            out = _merge_splits(part_acc, part_ml, j, hs, hmask, n_splits, stride_pt, stride_ph, c,
+                                D, STAGES)
+            tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _merge_splits(part_acc, part_ml, j, hs, hmask, n_splits, stride_pt, stride_ph, c,
+                  D: tl.constexpr, STAGES: tl.constexpr):
+    """ACC / L after folding splits 0..n_splits-1 of token j, heads hs, in ascending order (the
+    loads bypass L1: other programs wrote them)."""
+    d = tl.arange(0, D)
+    M = tl.full(hs.shape, float("-inf"), tl.float32)
+    L = tl.zeros(hs.shape, tl.float32)
+    ACC = tl.zeros([hs.shape[0], D], tl.float32)
+    for split in tl.range(0, n_splits, num_stages=STAGES):
+        base = j.to(tl.int64) * stride_pt + hs * stride_ph + split
+        m_s = tl.load(part_ml + base * 2, mask=hmask, other=0.0, cache_modifier=".cg")
+        l_s = tl.load(part_ml + base * 2 + 1, mask=hmask, other=1.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc + base[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0,
+                        cache_modifier=".cg")
+        M, L, ACC = _merge(M, L, ACC, m_s, l_s, acc_s, c)
+    return ACC / L[:, None]
 
 
 @triton.jit
@@ -111,17 +145,9 @@ def _merge_kernel(part_acc, part_ml, pos_ptr, row_ptr, out_ptr, stride_pt, strid
     hmask = hs < HQ
     pos = tl.load(pos_ptr + j)
     t = tl.load(row_ptr + j).to(tl.int64)
+    out = _merge_splits(part_acc, part_ml, j, hs, hmask, pos // SPLIT + 1, stride_pt, stride_ph, c,
+                        D, STAGES)
     d = tl.arange(0, D)
-    M = tl.full([HB], float("-inf"), tl.float32)
-    L = tl.zeros([HB], tl.float32)
-    ACC = tl.zeros([HB, D], tl.float32)
-    for split in tl.range(0, pos // SPLIT + 1, num_stages=STAGES):
-        base = j.to(tl.int64) * stride_pt + hs * stride_ph + split
-        m_s = tl.load(part_ml + base * 2, mask=hmask, other=0.0)
-        l_s = tl.load(part_ml + base * 2 + 1, mask=hmask, other=1.0)
-        acc_s = tl.load(part_acc + base[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
-        M, L, ACC = _merge(M, L, ACC, m_s, l_s, acc_s, c)
-    out = ACC / L[:, None]
     tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
