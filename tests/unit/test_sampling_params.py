@@ -1,0 +1,95 @@
+"""SamplingParams: every invalid field is refused at construction with a ValueError naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from samebits import SamplingParams
+
+INVALID = [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 2.0),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", -1e-30),
+    ("temperature", float("nan")),
+    ("temperature", "0.7"),
+    ("top_p", 0.0),
+    ("top_p", -0.5),
+    ("top_p", 1.0000001),
+    ("top_p", 2),
+    ("top_p", float("nan")),
+    ("top_k", -2),
+    ("top_k", -100),
+    ("top_k", 3.5),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("min_p", float("nan")),
+    ("seed", -1),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("logprobs", 21),
+    ("logprobs", 1000),
+    ("logprobs", -1),
+    ("n", 0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_field_raises_value_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+VALID = [
+    {},
+    {"max_tokens": 1},
+    {"temperature": 0.0},
+    {"temperature": 2.5},
+    {"top_p": 1.0},
+    {"top_p": 1e-6},
+    {"top_k": -1},
+    {"top_k": 0},
+    {"top_k": 50},
+    {"min_p": 0.0},
+    {"min_p": 1.0},
+    {"seed": 0},
+    {"seed": 2**63 - 1},
+    {"logprobs": 0},
+    {"logprobs": 20},
+]
+
+
+@pytest.mark.parametrize("kwargs", VALID, ids=[repr(k) for k in VALID])
+def test_boundary_values_are_accepted(kwargs: dict) -> None:
+    params = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        assert getattr(params, key) == value
+
+
+def test_greedy_means_temperature_zero() -> None:
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-6).greedy
+
+
+def test_stop_strings_normalises_str_list_and_none() -> None:
+    assert SamplingParams(stop=None).stop_strings == []
+    assert SamplingParams(stop="x").stop_strings == ["x"]
+    assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: SamplingParams accepts a non-integer logprobs (2.5 passes the 0 <= x <= 20 range check); "
+    "the runner later calls row.topk(2.5) and the whole step fails with a TypeError"))
+def test_non_integer_logprobs_raises_value_error_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=2.5)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: SamplingParams(logprobs='3') raises TypeError from the comparison 0 <= '3', not a "
+    "ValueError naming the field"))
+def test_string_logprobs_raises_value_error_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs="3")
