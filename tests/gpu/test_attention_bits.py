@@ -70,13 +70,19 @@ def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], s
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 64), (16, 2, 128), (12, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("trans", [False, True])
+def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, trans: bool) -> None:
     n = 1100  # splits end at 256, 512, 768, 1024; key blocks at every 64
     cache = Paged([n], hkv, d, dtype)
     q = torch.randn(n, hq, d, device="cuda").to(dtype)
     scale = d ** -0.5
     pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n]), scale)
-    dec = _decode_all(cache, q, 0, list(range(n)))
+    old = dict(A.LAUNCH)
+    A.LAUNCH.update(split_trans=trans, split_warps=4 if trans else 2)
+    try:
+        dec = _decode_all(cache, q, 0, list(range(n)))
+    finally:
+        A.LAUNCH.update(old)
     bad = (pre != dec).flatten(1).any(1).nonzero().flatten().tolist()
     assert bad == [], f"positions differing: {bad[:10]}"
     k, v = cache.contiguous(0, n)
@@ -100,15 +106,16 @@ def test_chunked_prefill_and_schedules() -> None:
         assert torch.equal(out, pre[start:start + c]), (start, c)
         start += c
     meta = cache.meta([0], [n], [n])
-    for fused in (False, True):  # split path: merge kernel, or merged by the last split program
-        old = A.LAUNCH["fused_merge"]
-        A.LAUNCH["fused_merge"] = fused
+    for fused, trans, warps in ((False, False, 2), (True, False, 4), (False, True, 4),
+                                (True, True, 8)):  # split path variants
+        old = dict(A.LAUNCH)
+        A.LAUNCH.update(fused_merge=fused, split_trans=trans, split_warps=warps)
         try:
             p = A.plan(meta, min_prefill=10 ** 9)
             out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
         finally:
-            A.LAUNCH["fused_merge"] = old
-        assert torch.equal(out, pre), fused
+            A.LAUNCH.update(old)
+        assert torch.equal(out, pre), (fused, trans, warps)
     for block_m in (64, 128):
         for flat in (True, False):
             for min_prefill in (1, 16, 10 ** 9):

@@ -14,7 +14,9 @@ Two schedules produce those bits (attention_kernels.py holds the shared arithmet
 - *prefill*: one program per (tile of up to ``block_m`` queries, query head) walks the splits in
   order and merges them in registers. Used for sequences with ``PREFILL_MIN_QUERIES`` or more.
 
-``plan_attention`` builds the index tensors of both once per forward.
+``plan_attention`` builds the index tensors of both once per forward. The kernels are compiled
+with ``enable_fp_fusion=False``: no multiply-add is contracted behind our back, so the only fmas
+are the explicit ``tl.fma`` of the shared arithmetic, whichever kernel runs it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from samebits.ops.triton.attention_kernels import _merge_kernel, _prefill_kernel
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
-LAUNCH = {"split_warps": 2, "split_stages": 3, "prefill_stages": None, "merge_warps": 1,
-          "merge_heads": 1, "merge_stages": 8, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": True}
+LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
+          "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
+          "fused_merge": False, "split_trans": True}
 
 
 def key_block(split_size: int) -> int:
@@ -125,15 +127,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
             hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=g,
             ROWS=max(16, triton.next_power_of_2(g)), **common, FUSED=fused,
-            STAGES=LAUNCH["merge_stages"], num_warps=LAUNCH["split_warps"],
-            num_stages=LAUNCH["split_stages"])
+            STAGES=LAUNCH["merge_stages"], TRANS=LAUNCH["split_trans"],
+            num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
+            enable_fp_fusion=False)
         if not fused:
             hb = LAUNCH["merge_heads"]
             _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
                 part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
                 p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
-                SPLIT=meta.split_size, STAGES=LAUNCH["merge_stages"],
-                num_warps=LAUNCH["merge_warps"])
+                SPLIT=meta.split_size, STAGES=max(2, min(LAUNCH["merge_stages"], p.dec_max_splits)),
+                num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
     n_tiles = p.tiles.shape[0]
     if n_tiles:
         _prefill_kernel[(hq, n_tiles)](
@@ -141,5 +144,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k_cache.stride(1), out.stride(0), out.stride(1), c, G=hq // hkv,
             BLOCK_M=p.block_m, FLAT=p.flat, **common,
             num_warps=4 if p.block_m <= 64 else 8,
-            num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2))
+            num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
+            enable_fp_fusion=False)
     return out

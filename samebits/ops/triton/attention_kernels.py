@@ -50,6 +50,23 @@ def _block_update(m, ls, acc, q, k, v, visible, c, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _block_update_t(m, lsT, accT, qT, k, v, visible, c, PRECISION: tl.constexpr):
+    """``_block_update`` with every product transposed (keys and D on the MMA's M side, so one
+    query's few rows need no padding to 64): the same products, the same K order, elementwise
+    the same arithmetic. lsT is [16, R], accT [D, R]."""
+    sT = tl.dot(k, qT, input_precision=PRECISION)
+    sT = tl.where(visible, sT, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sT, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m - m_safe) * c)
+    pT = tl.exp2(tl.fma(sT, c, -(m_safe * c)[None, :])).to(v.dtype)
+    ones = tl.full([16, v.shape[0]], 1.0, v.dtype)
+    accT = tl.dot(tl.trans(v), pT, accT * alpha[None, :], input_precision=PRECISION)
+    lsT = tl.dot(ones, pT, lsT * alpha[None, :], input_precision=PRECISION)
+    return m_new, lsT, accT
+
+
+@triton.jit
 def _merge(M, L, ACC, m_s, l_s, acc_s, c):
     """Fold one split's partial into the running (max, sum, acc) of the splits before it."""
     m_new = tl.maximum(M, m_s)
@@ -63,11 +80,14 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
                   out_ptr, cnt_ptr, stride_qt, stride_qh, stride_bt, stride_slot, stride_pt,
                   stride_ph, stride_ot, stride_oh, c, G: tl.constexpr, ROWS: tl.constexpr,
                   D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
+                  PRECISION: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
+                  TRANS: tl.constexpr):
     """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
     head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies.
-    With FUSED, the last of the token's split programs to finish (an atomic counter per token and
-    kv head, reset by that program) merges all of them in order, as ``_merge_kernel`` would.
+    TRANS runs ``_block_update_t`` (same bits, MMAs with 64-row tiles of keys or D instead of
+    16 padded query rows). With FUSED, the last of the token's split programs to finish (an
+    atomic counter per token and kv head, reset by that program) merges all of them in order, as
+    ``_merge_kernel`` would.
 
     Invariance: a partial depends on q of that token/head, its position p and K/V of the split's
     keys <= p; not on the batch, the other tokens or the physical blocks.
@@ -87,18 +107,32 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
     q = tl.load(q_ptr + t * stride_qt + hq[:, None] * stride_qh + d[None, :])
     k_hi = tl.minimum(k_lo + SPLIT, pos + 1)
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    ls = tl.zeros([ROWS, 16], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        key_pos = k0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
-                         stride_slot, BS, D)
-        m, ls, acc = _block_update(m, ls, acc, q, k, v, key_pos[None, :] <= pos, c, PRECISION)
     rows = tl.arange(0, ROWS)
     base = j.to(tl.int64) * stride_pt + hq * stride_ph + split
+    if TRANS:
+        qT = tl.trans(q)
+        lsT = tl.zeros([16, ROWS], tl.float32)
+        accT = tl.zeros([D, ROWS], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
+                             stride_slot, BS, D)
+            m, lsT, accT = _block_update_t(m, lsT, accT, qT, k, v, key_pos[:, None] <= pos, c,
+                                           PRECISION)
+        tl.store(part_ml + base * 2 + 1, tl.max(lsT, 0), mask=rows < G)
+        tl.store(part_acc + base[None, :] * D + d[:, None], accT, mask=(rows < G)[None, :])
+    else:
+        ls = tl.zeros([ROWS, 16], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
+                             stride_slot, BS, D)
+            m, ls, acc = _block_update(m, ls, acc, q, k, v, key_pos[None, :] <= pos, c,
+                                       PRECISION)
+        tl.store(part_ml + base * 2 + 1, tl.max(ls, 1), mask=rows < G)
+        tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
     tl.store(part_ml + base * 2, m, mask=rows < G)
-    tl.store(part_ml + base * 2 + 1, tl.max(ls, 1), mask=rows < G)
-    tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
     if FUSED:
         n_splits = pos // SPLIT + 1
         counter = cnt_ptr + j * tl.num_programs(1) + h

@@ -71,11 +71,13 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
         return GemmConfig(32, 32, 256, 4, 4)
     if m <= 64:
         return GemmConfig(64, 64, 128, 4, 4)
-    if m <= 128:
-        return GemmConfig(64, 128, 64, 4, 4, tma=True)
-    if m <= 1024:
-        return GemmConfig(128, 128, 64, 4, 4, tma=True)
-    return GemmConfig(128, 256, 64, 8, 3, tma=True)
+    if m <= 128:  # tiles picked on the H200 sweep (benchmarks/NOTES-kernels.md)
+        if n <= 4096:
+            return GemmConfig(64, 64, 256, 4, 3, tma=True)
+        return GemmConfig(64, 128, 128, 4, 4, tma=True)
+    if m <= 1024 and n < 16384:
+        return GemmConfig(64, 128, 128, 4, 4, tma=True)
+    return GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
