@@ -68,7 +68,15 @@ def _garbage(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tens
     return g.to(dtype)
 
 
-def check_with_control(check: Callable[[int], bool], seeds=range(8)) -> None:
+# Where the stock bf16 product was measured to move with the batch: the CPU build of torch (2.13,
+# MKL / oneDNN on this CI machine). The CPU side of the GPU machine's CUDA build (torch 2.11+cu130)
+# gave batch-invariant stock bf16 products at these shapes, so there the bf16 control is not
+# required (the invariance checks still run).
+BF16_CONTROL_REQUIRED = torch.version.cuda is None
+
+
+def check_with_control(check: Callable[[int], bool], dtype: torch.dtype,
+                       seeds=range(8)) -> None:
     """Run ``check(seed)`` -- which asserts the invariant op's bits and returns whether the stock
     op changed some row's bits on the same inputs -- on seeds until the stock op does.
 
@@ -78,7 +86,8 @@ def check_with_control(check: Callable[[int], bool], seeds=range(8)) -> None:
     for seed in seeds:
         if check(seed):
             return
-    pytest.fail("negative control: the standard backend never changed a row's bits")
+    if dtype == torch.float32 or BF16_CONTROL_REQUIRED:
+        pytest.fail("negative control: the standard backend never changed a row's bits")
 
 
 # ---- linear ------------------------------------------------------------------------------------
@@ -92,7 +101,7 @@ def test_linear_row_bitwise_equal_for_every_batch_size_1_to_64(k: int, n: int,
         assert _prefix_mismatches(lambda t: ops.linear(t, w), x, range(1, 65)) == []
         assert _prefix_mismatches(lambda t: ops.linear(t, w, b), x, (1, 17, 63)) == []
         return bool(_prefix_mismatches(lambda t: STD.linear(t, w), x, range(1, 65), first=True))
-    check_with_control(check)
+    check_with_control(check, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -102,7 +111,8 @@ def test_linear_lm_head_49152_row_bitwise_equal_for_selected_batch_sizes(
     sizes = (1, 2, 15, 17, 33)
     assert _prefix_mismatches(lambda t: ops.linear(t, w), x, sizes) == []
     # negative control (the 49152-wide product moves in both dtypes, first seed)
-    assert _prefix_mismatches(lambda t: STD.linear(t, w), x, sizes, first=True) != []
+    if dtype == torch.float32 or BF16_CONTROL_REQUIRED:
+        assert _prefix_mismatches(lambda t: STD.linear(t, w), x, sizes, first=True) != []
 
 
 def _placements(size: int) -> list[torch.Tensor]:
@@ -134,7 +144,7 @@ def test_linear_row_bitwise_equal_wherever_it_sits_in_the_batch(k: int, n: int,
         x, w, _ = _linear_case(k, n, dtype, seed=seed)
         assert _placement_mismatches(lambda t: ops.linear(t, w), x) == 0
         return _placement_mismatches(lambda t: STD.linear(t, w), x) > 0
-    check_with_control(check)
+    check_with_control(check, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -153,7 +163,7 @@ def test_linear_rows_unchanged_by_zero_or_garbage_padding_rows(pad: str,
             assert torch.equal(ops.linear(padded, w)[:b], full[:b]), (b, extra)
             std_moved = std_moved or not torch.equal(STD.linear(padded, w)[:b], std_full[:b])
         return std_moved
-    check_with_control(check)
+    check_with_control(check, dtype)
 
 
 def test_linear_leading_dims_and_bias_are_row_wise() -> None:
@@ -163,6 +173,17 @@ def test_linear_leading_dims_and_bias_are_row_wise() -> None:
     assert torch.equal(ops.linear(x.view(6, 8, 576), w, b).view(48, 192), flat)
     assert ops.linear(x[:0], w).shape == (0, 192)
     torch.testing.assert_close(flat, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_non_contiguous_rows_give_the_same_bits(dtype: torch.dtype) -> None:
+    x, w, _ = _linear_case(576, 192, dtype, rows=40, seed=5)
+    full = ops.linear(x, w)
+    strided = torch.empty(80, 576, dtype=dtype)
+    strided[::2] = x
+    assert torch.equal(ops.linear(strided[::2], w), full)
+    assert torch.equal(ops.linear(x.t().contiguous().t(), w), full)  # column-major rows
+    assert torch.equal(ops.linear(x[5:22], w), full[5:22])
 
 
 @pytest.mark.parametrize(("k", "n"), [(1024, 576), (576, 1), (1536, 1536), (4096, 64)],

@@ -93,3 +93,25 @@ def test_non_integer_logprobs_raises_value_error_naming_the_field() -> None:
 def test_string_logprobs_raises_value_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs="3")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: stop / stop_token_ids are not validated: SamplingParams(stop=5) is accepted and "
+    "stop_strings then raises TypeError (list(5)); stop=[1, 2] makes the engine's "
+    "'s in text' raise TypeError; stop_token_ids=5 makes 'token in 5' raise TypeError -- all "
+    "inside LLMEngine.step, after other sequences of the batch were already updated"))
+@pytest.mark.parametrize(("field", "value"), [("stop", 5), ("stop", [1, 2]),
+                                              ("stop_token_ids", 5)])
+def test_malformed_stop_fields_raise_value_error_naming_the_field(field: str,
+                                                                  value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "DOUBTFUL: bools pass as integers for seed, top_k, logprobs and n (True -> 1), while "
+    "max_tokens explicitly rejects them"))
+@pytest.mark.parametrize("field", ["seed", "top_k", "logprobs", "n"])
+def test_bool_is_not_accepted_as_an_integer_field(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: True})
