@@ -121,6 +121,11 @@ def _add_then_norm(std: StandardBackend, x: torch.Tensor, r: torch.Tensor, w: to
     return std.rms_norm(h, w, 1e-6), h
 
 
+def _add_then_f_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    h = x + r
+    return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
+
+
 def bench_norms() -> None:
     std = StandardBackend()
     for m in (1, 32, 256, 2048, 8192):
@@ -133,9 +138,10 @@ def bench_norms() -> None:
              min(hf, fused), stock_hf_composite_us=round(hf, 2), stock_F_rms_norm_us=round(fused, 2),
              invariant_host_us=round(host_us(RN.rms_norm, x, w, 1e-6), 1),
              stock_host_us=round(host_us(F.rms_norm, x, (4096,), w, 1e-6), 1))
-        emit("add_rms_norm", {"M": m, "H": 4096}, "bf16",
-             us(RN.add_rms_norm, x, r, w, 1e-6),
-             us(_add_then_norm, std, x, r, w))
+        hf = us(_add_then_norm, std, x, r, w)
+        fused = us(_add_then_f_norm, x, r, w)
+        emit("add_rms_norm", {"M": m, "H": 4096}, "bf16", us(RN.add_rms_norm, x, r, w, 1e-6),
+             min(hf, fused), stock_hf_composite_us=round(hf, 2), stock_F_rms_norm_us=round(fused, 2))
     for v in (32768, 151936):
         for m in (1, 32, 256, 2048):
             x = torch.randn(m, v, device="cuda") * 4
