@@ -34,7 +34,8 @@ LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": False, "split_trans": True}
+          "fused_merge": None, "split_trans": True}
+FUSED_MAX_SPLITS = 4  # fused merge (last split program merges) up to this many splits
 
 
 def key_block(split_size: int) -> int:
@@ -121,13 +122,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
         g = hq // hkv
         fused = LAUNCH["fused_merge"]
+        if fused is None:  # auto: a short serial tail is cheaper than a second launch
+            fused = p.dec_max_splits <= FUSED_MAX_SPLITS
+        stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
         counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
         _split_kernel[(n_dec, hkv, p.dec_max_splits)](
             q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
             counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
             hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=g,
             ROWS=max(16, triton.next_power_of_2(g)), **common, FUSED=fused,
-            STAGES=LAUNCH["merge_stages"], TRANS=LAUNCH["split_trans"],
+            STAGES=stages, TRANS=LAUNCH["split_trans"],
             num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
             enable_fp_fusion=False)
         if not fused:
@@ -135,7 +139,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
                 part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
                 p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
-                SPLIT=meta.split_size, STAGES=max(2, min(LAUNCH["merge_stages"], p.dec_max_splits)),
+                SPLIT=meta.split_size, STAGES=stages,
                 num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
     n_tiles = p.tiles.shape[0]
     if n_tiles:
