@@ -271,8 +271,10 @@ def main() -> None:
         bench_norms()
     sweep_att = args.sweep == "attention"
     if "decode" in ops:
-        bench_decode([{"split_stages": s, "split_warps": 4, "fused_merge": f}
-                      for s, f in ((2, False), (2, True), (1, True), (3, True), (2, None))]
+        bench_decode([{"split_stages": s, "split_warps": w, "split_trans": t, "fused_merge": f}
+                      for s, w, t, f in ((3, 2, False, False), (2, 4, True, False),
+                                         (3, 4, True, False), (2, 8, True, False),
+                                         (2, 4, True, True))]
                      if sweep_att else [{}])
     if "prefill" in ops:
         bench_prefill([{"block_m": bm, "prefill_stages": s} for bm in (64, 128) for s in (2, 3)]

@@ -34,8 +34,7 @@ LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": None, "split_trans": True}
-FUSED_MAX_SPLITS = 4  # fused merge (last split program merges) up to this many splits
+          "fused_merge": False, "split_trans": True}
 
 
 def key_block(split_size: int) -> int:
@@ -121,9 +120,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
         part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
         g = hq // hkv
-        fused = LAUNCH["fused_merge"]
-        if fused is None:  # auto: a short serial tail is cheaper than a second launch
-            fused = p.dec_max_splits <= FUSED_MAX_SPLITS
+        fused = LAUNCH["fused_merge"]  # off: measured no faster on the H200 (NOTES-kernels.md)
         stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
         counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
         _split_kernel[(n_dec, hkv, p.dec_max_splits)](
