@@ -25,23 +25,39 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        if self.config.task == "embed":
-            raise NotImplementedError("task='embed' is not available yet")
+        self.embedder = self.engine = None
+        if self.config.task == "embed":  # an encoder: only ``embed``
+            from samebits.embedder import Embedder
+            self.embedder = Embedder(self.config)
+            return
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self.embedder.tokenizer
 
     @property
     def fingerprint(self) -> str:
-        return self.engine.fingerprint
+        return self.engine.fingerprint if self.engine is not None else self.embedder.fingerprint
+
+    def embed(self, texts: str | Seq[str] | Seq[Seq[int]], truncate: bool = False
+              ) -> list[list[float]]:
+        """One vector per text (or token id list), each bitwise independent of the batch;
+        ``truncate=True`` cuts inputs over the model's token limit instead of raising."""
+        if self.embedder is None:
+            raise ValueError("embed() needs an embedding model: LLM(model, task='embed')")
+        return self.embedder.embed(texts, truncate)
+
+    def _require_generate(self) -> None:
+        if self.engine is None:
+            raise ValueError("this LLM was built with task='embed': use embed(), not generation")
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order."""
+        self._require_generate()
         prompts = _as_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -54,6 +70,7 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        self._require_generate()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if self.tokenizer is None:
@@ -64,6 +81,7 @@ class LLM:
     def score(self, token_id_lists: Seq[Seq[int]]) -> list[list[float]]:
         """logprob of t_i given t_<i, i = 1..n-1: bitwise the logprobs reported when those tokens
         were generated (teacher-forced prefill through the same kernels)."""
+        self._require_generate()
         ids = [list(t) for t in token_id_lists]
         seqs = self._submit(ids, [SamplingParams(max_tokens=1)] * len(ids), score_only=True)
         self._drain(len(seqs), False)

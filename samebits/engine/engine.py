@@ -82,15 +82,15 @@ class LLMEngine:
         return self.postprocess(batch, result)
 
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+        spans = iter(result.score_logprobs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.score_only:  # position-indexed: a recompute after preemption overwrites
+                del seq.prompt_logprobs[seq.num_computed_tokens:]
+                seq.prompt_logprobs.extend(next(spans))
             seq.num_computed_tokens += n
             self.kv.commit(seq)
-        spans = iter(result.score_logprobs)
-        for seq in batch.seqs:
-            if seq.score_only:
-                seq.prompt_logprobs.extend(next(spans))
-                if seq.num_computed_tokens == seq.num_tokens:
-                    self.scheduler.finish(seq, "length")
+            if seq.score_only and seq.num_computed_tokens == seq.num_tokens:
+                self.scheduler.finish(seq, "length")
         for seq, token, logprob, top in zip(result.sampled, result.tokens, result.logprobs,
                                             result.top_logprobs, strict=True):
             self._append_token(seq, token, logprob, top)

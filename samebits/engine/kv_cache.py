@@ -4,8 +4,8 @@ Plain Python, no tensors. A block is reused from the prefix cache only when its 
 the hash chains the parent block's hash, the block's token ids and the model's numerics
 fingerprint (weights digest, dtype, kernel config): a cached block is only ever read by the exact
 numerics that wrote it ("KV cache versioning"). Freed blocks keep their contents and hash until
-they are handed out again; eviction takes the least recently freed block first (LRU over
-unreferenced blocks).
+they are handed out again; blocks without a hash are handed out first, then cached ones, least
+recently freed first (LRU over unreferenced blocks).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class BlockPool:
                 raise RuntimeError(f"KV block {b} released more often than taken")
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
+                if self.block_hash[b] is None:  # holds nothing reusable: hand it out first
+                    self.free.move_to_end(b, last=False)
 
     def register(self, block: int, h: bytes) -> None:
         if h not in self.cached:

@@ -3,8 +3,9 @@
 The noise for token ``v`` of a request's ``i``-th generated token is a hash of (request seed, i, v)
 -- integer arithmetic, the same on every device and in every batch -- turned into Gumbel noise;
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
-Filters: top-k, top-p (stable sort, through fixed 16-row tiles so a row's cumulative sums never
-depend on its neighbours), min-p (``exp(x - max) >= min_p``, no reduction). Greedy is ``argmax``
+Filters: top-k (exactly k tokens; among equal logits the lowest ids) and top-p on one stable sort,
+through fixed 16-row tiles so a row's cumulative sums never depend on its neighbours; min-p
+(``exp(x - max) >= min_p``, no reduction). Greedy is ``argmax``
 of the raw logits; ties go to the lowest token id. Reported logprobs are ``log_softmax`` of the raw
 fp32 logits through the invariant backend.
 """
@@ -29,17 +30,19 @@ def mix32(x):  # works on Python ints and on int64 tensors holding values < 2**3
     return (x >> 16) ^ x
 
 
-def stream_key(seed: int, index: int) -> int:
-    """The 32-bit key of a request's ``index``-th token draw."""
-    k = mix32((seed & _M32) ^ 0x9E3779B9)
-    k = mix32(k ^ ((seed >> 32) & _M32))
-    return mix32(k ^ (index & _M32))
+def stream_key(seed: int, index: int) -> tuple[int, int]:
+    """The 64-bit key (two 32-bit words) of a request's ``index``-th token draw."""
+    lo, hi, idx = seed & _M32, (seed >> 32) & _M32, index & _M32
+    k1 = mix32(mix32(mix32(lo ^ 0x9E3779B9) ^ hi) ^ idx)
+    k2 = mix32(mix32(mix32(hi ^ 0x7F4A7C15) ^ lo) ^ mix32(idx ^ 0x94D049BB))
+    return k1, k2
 
 
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """keys [B] int64 -> Gumbel(0, 1) noise [B, V] in fp32, a pure function of (key, token id)."""
+    """keys [B, 2] int64 -> Gumbel(0, 1) noise [B, V] in fp32, a pure function of (key, token id)."""
     tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    h = mix32(mix32(keys[:, None] ^ tokens[None, :]) ^ 0x85EBCA6B)
+    h = mix32(mix32(keys[:, :1] ^ tokens[None, :]) ^ keys[:, 1:])
+    h = mix32(h ^ 0x85EBCA6B)
     u = ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)  # (0, 1), never 0 or 1
     return (-torch.log(-torch.log(u))).float()
 
@@ -51,27 +54,31 @@ def _by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return torch.cat([fn(xp[i:i + _TILE]) for i in range(0, xp.shape[0], _TILE)])[:m]
 
 
-def _top_p_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """True where a token falls outside the smallest set whose probability reaches top_p."""
+def _sorted_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True for tokens outside the top ``k`` (stable descending order: among equal logits the
+    lowest ids come first), or outside the smallest prefix of those whose mass reaches ``p``."""
+    v = x.shape[-1]
+
     def tile(t: torch.Tensor) -> torch.Tensor:
-        sorted_x, order = torch.sort(t[:, :-1], dim=-1, descending=True, stable=True)
-        probs = torch.softmax(sorted_x, dim=-1)
+        logits, k, p = t[:, :v], t[:, v:v + 1], t[:, v + 1:]
+        sorted_x, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        drop = torch.arange(v, device=t.device)[None, :] >= k
+        probs = torch.softmax(sorted_x.masked_fill(drop, -math.inf), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before > t[:, -1:]
-        return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return _by_tiles(tile, torch.cat([x, top_p[:, None].to(x.dtype)], dim=-1))
+        drop |= (p < 1) & (before >= p)
+        return torch.zeros_like(drop).scatter(-1, order, drop)
+
+    return _by_tiles(tile, torch.cat([x, top_k[:, None].to(x.dtype), top_p[:, None].to(x.dtype)],
+                                     dim=-1))
 
 
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply top-k, top-p and min-p to temperature-scaled logits x [B, V] (masked -> -inf)."""
     dev, v = x.device, x.shape[-1]
-    top_k = [p.top_k if 0 < p.top_k < v else v for p in params]
-    if min(top_k) < v:
-        kth = torch.stack([row.topk(k).values[-1] for row, k in zip(x, top_k, strict=True)])
-        x = x.masked_fill(x < kth[:, None], -math.inf)
-    if any(p.top_p < 1 for p in params):
+    if any(0 < p.top_k < v or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
-        x = x.masked_fill(_top_p_mask(x, top_p) & (top_p[:, None] < 1), -math.inf)
+        x = x.masked_fill(_sorted_mask(x, top_k, top_p), -math.inf)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
         ratio = torch.exp(x - x.amax(-1, keepdim=True))
@@ -90,6 +97,6 @@ def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], s
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         x = _filter(logits[idx] / temps[:, None], [params[i] for i in rows])
         keys = torch.tensor([stream_key(seeds[i], indices[i]) for i in rows],
-                            device=logits.device, dtype=torch.int64)
+                            device=logits.device, dtype=torch.int64)  # [B, 2]
         tokens[idx] = (x + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)
     return tokens.tolist(), logprobs

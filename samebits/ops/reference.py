@@ -91,6 +91,7 @@ class _AttentionPlan:
     q_pos: torch.Tensor  # [n_tiles, TILE_Q] position of each tile row
     valid: torch.Tensor  # [n_tiles * TILE_Q] bool: tile rows that are real queries
     kv_slots: torch.Tensor  # [n_tiles, n_splits * split] cache slot of each key (pad -> slot 0)
+    kv_valid: torch.Tensor  # [n_tiles, n_splits * split, 1, 1] key inside its sequence's context
     active: tuple[int, ...]  # per split s: number of tiles that reduce it
 
 
@@ -116,13 +117,16 @@ def _plan(meta: AttentionMetadata) -> _AttentionPlan:
     tables = meta.block_tables.cpu().long()
     block_idx = (key_pos // meta.block_size).clamp(max=tables.shape[1] - 1)
     slots = tables[:, block_idx] * meta.block_size + key_pos % meta.block_size  # [B, n_keys]
-    slots = torch.where(key_pos[None, :] < torch.tensor(meta.seq_lens_list)[:, None], slots, 0)
+    valid = key_pos[None, :] < torch.tensor(meta.seq_lens_list)[:, None]
+    slots = torch.where(valid, slots, 0)
+    seq_of_tile = torch.tensor([t[0] for t in tiles], dtype=torch.long)
     dev = meta.slot_mapping.device
     return _AttentionPlan(
         q_rows=torch.tensor([t[1] for t in tiles], dtype=torch.long, device=dev),
         q_pos=torch.tensor([t[2] for t in tiles], dtype=torch.long, device=dev),
         valid=torch.tensor([i < t[3] for t in tiles for i in range(TILE_Q)], device=dev),
-        kv_slots=slots[torch.tensor([t[0] for t in tiles], dtype=torch.long)].to(dev),
+        kv_slots=slots[seq_of_tile].to(dev),
+        kv_valid=valid[seq_of_tile][:, :, None, None].to(dev),
         active=tuple(sum(1 for n in splits if n > s) for s in range(splits[0])),
     )
 
@@ -167,7 +171,9 @@ def _split(qt: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _
     slots = plan.kv_slots[:n, s * split:(s + 1) * split]  # [n, split]
     k = k_flat[slots].permute(0, 2, 3, 1).reshape(n * hkv, d, split)
     v1 = v_flat.new_ones(n, hkv, split, d + 1)
-    v1[..., :d] = v_flat[slots].permute(0, 2, 1, 3)
+    valid = plan.kv_valid[:n, s * split:(s + 1) * split]
+    # Padding keys read slot 0, which may belong to anyone: zero them so 0 * inf never happens.
+    v1[..., :d] = torch.where(valid, v_flat[slots], 0).permute(0, 2, 1, 3)
     scores = _bmm(qt.reshape(n * hkv, rows, d), k).float().view(n, hkv, -1, g, split)
     key_pos = torch.arange(s * split, (s + 1) * split, device=qt.device)
     causal = key_pos[None, None, :] <= plan.q_pos[:n, :, None]  # [n, TILE_Q, split]

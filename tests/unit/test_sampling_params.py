@@ -79,27 +79,16 @@ def test_stop_strings_normalises_str_list_and_none() -> None:
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SamplingParams accepts a non-integer logprobs (2.5 passes the 0 <= x <= 20 range check); "
-    "the runner later calls row.topk(2.5) and the whole step fails with a TypeError"))
 def test_non_integer_logprobs_raises_value_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=2.5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SamplingParams(logprobs='3') raises TypeError from the comparison 0 <= '3', not a "
-    "ValueError naming the field"))
 def test_string_logprobs_raises_value_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs="3")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: stop / stop_token_ids are not validated: SamplingParams(stop=5) is accepted and "
-    "stop_strings then raises TypeError (list(5)); stop=[1, 2] makes the engine's "
-    "'s in text' raise TypeError; stop_token_ids=5 makes 'token in 5' raise TypeError -- all "
-    "inside LLMEngine.step, after other sequences of the batch were already updated"))
 @pytest.mark.parametrize(("field", "value"), [("stop", 5), ("stop", [1, 2]),
                                               ("stop_token_ids", 5)])
 def test_malformed_stop_fields_raise_value_error_naming_the_field(field: str,
@@ -108,9 +97,6 @@ def test_malformed_stop_fields_raise_value_error_naming_the_field(field: str,
         SamplingParams(**{field: value})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DOUBTFUL: bools pass as integers for seed, top_k, logprobs and n (True -> 1), while "
-    "max_tokens explicitly rejects them"))
 @pytest.mark.parametrize("field", ["seed", "top_k", "logprobs", "n"])
 def test_bool_is_not_accepted_as_an_integer_field(field: str) -> None:
     with pytest.raises(ValueError, match=field):

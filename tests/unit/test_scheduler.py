@@ -314,11 +314,6 @@ def test_score_only_sequence_scores_every_token_once_with_chunked_prefill() -> N
     assert sched.kv.pool.num_free == 64
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a score-only sequence preempted mid-prefill restarts at position 0 "
-    "(Scheduler._preempt resets num_computed_tokens) but keeps the prompt_logprobs already "
-    "appended by LLMEngine.postprocess, so the recomputed spans are appended again: "
-    "LLM.score returns duplicated, too-long logprob lists under KV-cache pressure"))
 def test_score_only_sequence_preempted_mid_prefill_reports_each_logprob_once() -> None:
     # 5 blocks of 4: g grows to 16 tokens (4 blocks) while s (12 tokens, 3 blocks) is prefilled in
     # chunks of the 3-token budget, so s, the most recently admitted, gets preempted mid-prefill.

