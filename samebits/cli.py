@@ -1,4 +1,4 @@
-"""``samebits`` command line: generate, verify (serve and bench join as they land)."""
+"""``samebits`` command line: generate, verify, bench (and serve)."""
 
 from __future__ import annotations
 
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(srv)
     _engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="throughput, invariant vs standard, JSON lines")
+    from samebits import bench as bench_module
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=lambda a: bench_module.run_both(a) or 0)
     return parser
 
 

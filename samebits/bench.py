@@ -1,0 +1,72 @@
+"""End-to-end throughput: the invariant engine against the standard one, same run, JSON lines.
+
+    samebits bench                                 # default model on CPU
+    python benchmarks/e2e.py --model benchmarks/configs/qwen3-8b.json --load-format dummy \
+        --device cuda --num-prompts 64 --prompt-len 1024 --max-tokens 256
+
+Each line: mode, requests, prompt/generated tokens, seconds, generated tokens/s; the last line the
+ratio invariant / standard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from samebits import LLM, SamplingParams
+
+
+def run(args: argparse.Namespace, invariant: bool) -> dict:
+    llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+              batch_invariant=invariant, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False)
+    rng = random.Random(0)
+    vocab = llm.engine.loaded.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=7,
+                            ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"bench": "e2e", "mode": "invariant" if invariant else "standard",
+            "device": str(llm.config.torch_device), "requests": len(prompts),
+            "prompt_tokens": args.prompt_len * len(prompts), "generated_tokens": generated,
+            "seconds": round(seconds, 3), "gen_tokens_per_s": round(generated / seconds, 2)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def run_both(args: argparse.Namespace) -> None:
+    results = {}
+    for invariant in (False, True):
+        r = run(args, invariant)
+        results[r["mode"]] = r
+        print(json.dumps(r), flush=True)
+    ratio = results["invariant"]["gen_tokens_per_s"] / results["standard"]["gen_tokens_per_s"]
+    print(json.dumps({"bench": "e2e", "ratio_invariant_over_standard": round(ratio, 3)}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    run_both(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
