@@ -79,6 +79,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._stopped = False
         metrics.kv_blocks_total.set(engine.kv.pool.num_blocks)
 
     # ---- event-loop side ------------------------------------------------------------------
@@ -98,6 +99,8 @@ class AsyncEngine:
 
     async def submit(self, group: RequestGroup) -> None:
         """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid."""
+        if self._stopped or not self.alive:
+            raise RuntimeError("the engine loop is not running")
         done: Future = Future()
         self._commands.put(_Add(group, done))
         try:
@@ -112,14 +115,29 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            if not self._drain_commands(block=not self.engine.has_unfinished()):
-                break
-            if self.engine.has_unfinished():
-                self._step()
-            self._report_state()
+        try:
+            while self._drain_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+                self._report_state()
+        except BaseException:
+            log.exception("the engine loop failed")
+            raise
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Fail what is in flight and what is still queued: no caller waits forever."""
+        self._stopped = True
         for request_id in list(self._tracked):
             self._fail(request_id, "the server is shutting down")
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(RuntimeError("the engine loop is not running"))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""

@@ -34,7 +34,7 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (as vLLM): 0 or -1 is off
     min_p: float | None = Field(None, ge=0, le=1)  # extension
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension

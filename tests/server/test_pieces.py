@@ -1,0 +1,101 @@
+"""The server's pure pieces, without a model: streaming detokenization, token bytes, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+from tokenizers import pre_tokenizers
+
+from samebits.sampling_params import SamplingParams
+from samebits.server.errors import from_validation_error, from_value_error
+from samebits.server.protocol import ChatCompletionRequest, CompletionRequest
+from samebits.server.serving import make_group
+from samebits.server.tokens import _UNBYTE, TextStream
+
+
+class CharTokenizer:
+    """Token i is the byte i (so multi-byte characters span tokens), like byte-level BPE."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def _stream(text: str, stop: list[str], final: str) -> str:
+    s, out = TextStream(CharTokenizer(), stop), ""
+    for i in _ids(text):
+        out += s.push([i])
+    return out + s.finish(final)
+
+
+def test_stream_never_sends_a_partial_character():
+    s, sent = TextStream(CharTokenizer(), []), []
+    for i in _ids("aé日b"):
+        sent.append(s.push([i]))
+    assert "\ufffd" not in "".join(sent)
+    assert "".join(sent) == "aé日b"
+
+
+def test_stream_holds_back_what_a_stop_string_could_claim():
+    # the engine cut the text at "STOP"; nothing after "ab" may have been sent before
+    s, sent = TextStream(CharTokenizer(), ["STOP"]), ""
+    for i in _ids("abSTO"):
+        sent += s.push([i])
+    assert "S" not in sent
+    assert sent + s.finish("ab") == "ab"
+    assert _stream("hello world", ["zz"], "hello world") == "hello world"
+
+
+def test_byte_level_table_inverts_gpt2_alphabet():
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    assert len(alphabet) == 256 and set(alphabet) == set(_UNBYTE)
+    assert _UNBYTE["Ġ"] == 0x20 and _UNBYTE["Ċ"] == 0x0A and _UNBYTE["a"] == ord("a")
+
+
+def test_seeds_are_s_plus_i_per_prompt():
+    params = SamplingParams(max_tokens=2, seed=10)
+    group = _group([[1], [2]], [params, params], n=3)
+    assert [p.seed for p in group.params] == [10, 11, 12, 10, 11, 12]
+    assert group.seed_offsets == [0, 1, 2, 0, 1, 2]
+    unseeded = _group([[1]], [SamplingParams(max_tokens=2)], n=2)
+    assert [p.seed for p in unseeded.params] == [None, None]
+
+
+def _group(prompts, params, n):
+    async def build():  # a RequestGroup belongs to the running event loop
+        return make_group("x", prompts, params, n, stream=False)
+    return asyncio.run(build())
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"prompt": "a", "max_tokens": "3"}', "max_tokens"),
+    ('{"prompt": "a", "n": 65}', "n"),
+    ('{"prompt": "a", "presence_penalty": 0.5}', "presence_penalty"),
+    ('{"prompt": "a", "seed": 9223372036854775808}', "seed"),
+    ('{"prompt": "a"', None),
+])
+def test_validation_errors_name_the_field(body, param):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate_json(body)
+    err = from_validation_error(e.value)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_chat_content_parts_are_joined():
+    req = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        ' {"type": "text", "text": "b"}]}]}')
+    assert req.messages[0].text() == "ab"
+
+
+def test_engine_value_errors_become_400_naming_the_field():
+    for message, param in [("max_tokens must be a positive integer, got 0", "max_tokens"),
+                           ("prompt has 2000 tokens; the context limit is 1024", "prompt"),
+                           ("request id 'x' is already in use", None)]:
+        err = from_value_error(ValueError(message))
+        assert (err.status, err.param, err.message) == (400, param, message)
