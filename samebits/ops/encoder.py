@@ -33,7 +33,7 @@ from samebits.ops.backend import OpBackend, get_backend
 from samebits.ops.reference import TILE_M, TILE_Q, _bmm, _by_tiles
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
-DEFAULT_SPLIT_SIZE = 64  # keys per attention split (texts are short; a split is padded to this)
+DEFAULT_SPLIT_SIZE = 32  # keys per attention split (a tile reduces whole splits; texts are short)
 
 
 @dataclass(frozen=True)
@@ -105,19 +105,36 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
-def _split(qt: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttentionPlan, n: int,
+def _head_major(x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, heads, D] -> [heads, T + 1, D (+1)]: a zero row appended (the key past every sequence's
+    end), and ``extra`` (ones: P @ 1 rides in the P @ V product) as a last column."""
+    t, heads, d = x.shape
+    out = x.new_zeros(heads, t + 1, d + (extra is not None))
+    out[:, :t, :d] = x.transpose(0, 1)
+    if extra is not None:
+        out[..., d] = extra
+    return out
+
+
+def _gather(xh: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows [n, r] of every head of xh [heads, R, W] -> [n, heads, r, W], contiguous, one copy."""
+    heads, num_rows, width = xh.shape
+    h = torch.arange(heads, device=xh.device)[None, :, None] * num_rows
+    flat = (h + rows[:, None, :]).reshape(-1)
+    return xh.view(heads * num_rows, width).index_select(0, flat).view(*rows.shape[:1], heads, -1, width)
+
+
+def _split(qt: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: _AttentionPlan, n: int,
            s: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [s*split, (s+1)*split) for the first ``n`` tiles: (row max, [P @ V | P @ 1])."""
     _, heads, rows, d = qt.shape
     idx = plan.kv_rows[:n, s * split:(s + 1) * split]  # [n, split]
-    kt = k[idx].permute(0, 2, 3, 1).reshape(n * heads, d, split)
-    v1 = v.new_ones(n, heads, split, d + 1)
-    v1[..., :d] = v[idx].permute(0, 2, 1, 3)
-    scores = _bmm(qt.reshape(n * heads, rows, d), kt).float().view(n, heads, rows, split)
-    keep = plan.kv_valid[:n, None, None, s * split:(s + 1) * split]
-    scores = scores.masked_fill(~keep, -math.inf)
+    k, v1 = _gather(kh, idx), _gather(vh, idx)  # [n, heads, split, D], [n, heads, split, D + 1]
+    scores = _bmm(qt.reshape(n * heads, rows, d), k.view(n * heads, split, d).transpose(1, 2))
+    scores = scores.float().view(n, heads, rows, split)
+    scores.masked_fill_(~plan.kv_valid[:n, None, None, s * split:(s + 1) * split], -math.inf)
     m_s = scores.amax(-1, keepdim=True)  # every split a tile reduces holds >= 1 real key
-    p = torch.exp(scores - m_s)
+    p = scores.sub_(m_s).exp_()
     acc_s = _bmm(p.to(v1.dtype).view(n * heads, rows, split), v1.view(n * heads, split, d + 1))
     return m_s, acc_s.float().view(n, heads, rows, d + 1)
 
@@ -154,12 +171,12 @@ class InvariantEncoderOps:
                                                                             q.device)
         split, (_, heads, d) = self.split_size, q.shape
         n_tiles = plan.q_rows.shape[0]
-        qt = (q * scale)[plan.q_rows].permute(0, 2, 1, 3)  # [n_tiles, heads, TILE_Q, D]
-        k, v = _with_zero_row(k), _with_zero_row(v)
+        qt = _gather(_head_major(q * scale), plan.q_rows)  # [n_tiles, heads, TILE_Q, D]
+        kh, vh = _head_major(k), _head_major(v, extra=q.new_ones(()))
         m = q.new_full((n_tiles, heads, TILE_Q, 1), -math.inf, dtype=torch.float32)
         acc = q.new_zeros((n_tiles, heads, TILE_Q, d + 1), dtype=torch.float32)
         for s, n in enumerate(plan.active):
-            m_s, acc_s = _split(qt[:n], k, v, plan, n, s, split)
+            m_s, acc_s = _split(qt[:n], kh, vh, plan, n, s, split)
             m_new = torch.maximum(m[:n], m_s)
             acc[:n] = acc[:n] * torch.exp(m[:n] - m_new) + acc_s * torch.exp(m_s - m_new)
             m[:n] = m_new
