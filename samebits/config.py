@@ -148,7 +148,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 80% of free memory on CUDA
     enable_prefix_caching: bool = True
     attention_split_size: int = 256  # KV tokens per attention split (design.md section 1)
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
@@ -163,12 +163,14 @@ class EngineConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "kv_cache_memory_bytes", "attention_split_size"):
+                     "attention_split_size"):
             _positive(name, getattr(self, name))
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
-        if self.attention_split_size % self.block_size and self.block_size % 16:
-            raise ValueError("attention_split_size must be a multiple of 16")
+        if self.attention_split_size % 16:
+            raise ValueError(f"attention_split_size must be a multiple of 16, got "
+                             f"{self.attention_split_size}")
 
     @property
     def torch_device(self) -> torch.device:

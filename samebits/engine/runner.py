@@ -44,11 +44,19 @@ class ModelRunner:
         self.block_size = config.block_size
         per_block = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads
                      * cfg.head_dim * self.dtype.itemsize)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget() // per_block)
         shape = (self.num_blocks, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return 1 << 30
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]

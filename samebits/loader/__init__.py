@@ -32,11 +32,12 @@ class LoadedModel:
 
 def resolve_model_dir(spec: str | None) -> Path:
     """The HF-format directory for a model spec; GGUF files are converted once into the cache."""
-    from samebits.loader import gguf
     if spec is None:
+        from samebits.loader import gguf
         return gguf.convert_gguf(gguf.default_model_path())
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from samebits.loader import gguf
         return gguf.convert_gguf(path)
     if path.is_file() and path.name == "config.json":
         return path.parent
@@ -53,10 +54,13 @@ def load(config: EngineConfig) -> LoadedModel:
     max_len = config.max_model_len or model_config.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
-    with torch.device(device):
-        model = LlamaForCausalLM(model_config, ops, max_len)
-    for p in model.parameters():  # rope tables stay fp32; they are cast per step like HF does
-        p.data = p.data.to(dtype)
+    default_dtype = torch.get_default_dtype()
+    try:  # parameters in the target dtype; the rope tables are built in explicit fp32
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config, ops, max_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
         dummy.init_dummy_weights(model, config.seed)
         digest = dummy.dummy_digest(raw_cfg, config.seed)

@@ -38,19 +38,34 @@ class StandardBackend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """SDPA per sequence over its context gathered contiguously from the cache."""
+        """SDPA over contexts gathered from the cache: every single-query sequence (decode) in
+        one padded call, each longer chunk (prefill) in a call of its own."""
         out = torch.empty_like(q)
-        qsl, bs = meta.query_start_loc_list, meta.block_size
-        for b, seq_len in enumerate(meta.seq_lens_list):
-            qs, qe = qsl[b], qsl[b + 1]
-            pos = torch.arange(seq_len, device=q.device)
-            slots = meta.block_tables[b, pos // bs].long() * bs + pos % bs
-            k = k_cache.flatten(0, 1)[slots].transpose(0, 1)  # [Hkv, L, D]
-            v = v_cache.flatten(0, 1)[slots].transpose(0, 1)
-            qb = q[qs:qe].transpose(0, 1)  # [Hq, q_len, D]
-            q_pos = pos[seq_len - (qe - qs):]
-            mask = pos[None, :] <= q_pos[:, None]  # [q_len, L]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-            out[qs:qe] = o.transpose(0, 1)
+        qsl = meta.query_start_loc_list
+        decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
+        if decode:
+            rows = [qsl[b] for b in decode]
+            out[rows] = _sdpa(q[rows][:, None], k_cache, v_cache, meta, decode, scale)[:, 0]
+        for b in range(meta.num_seqs):
+            if qsl[b + 1] - qsl[b] > 1:
+                out[qsl[b]:qsl[b + 1]] = _sdpa(q[None, qsl[b]:qsl[b + 1]], k_cache, v_cache,
+                                               meta, [b], scale)[0]
         return out
+
+
+def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+          seqs: list[int], scale: float) -> torch.Tensor:
+    """q [n, q_len, Hq, D] of sequences ``seqs`` (each with q_len queries) -> [n, q_len, Hq, D]."""
+    dev, bs = q.device, meta.block_size
+    lens = torch.tensor([meta.seq_lens_list[b] for b in seqs], device=dev)
+    pos = torch.arange(int(lens.max()), device=dev)
+    tables = meta.block_tables[seqs].long()
+    block = (pos // bs).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block] * bs + pos % bs  # [n, L]
+    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [n, Hkv, L, D]
+    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+    q_pos = lens[:, None] - q.shape[1] + torch.arange(q.shape[1], device=dev)[None, :]
+    mask = pos[None, None, :] <= q_pos[:, :, None]  # [n, q_len, L]; also hides padding keys
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)

@@ -1,0 +1,81 @@
+"""The engine's determinism suite on CUDA: a dummy Qwen3-shaped model in bf16 through the Triton
+kernels. Same criteria as tests/determinism (CPU): every request's token ids and logprobs bitwise
+equal alone and in batches of 4/16/64, with chunked prefill, prefix-cache hits and preemption;
+score(prompt + generation) == generation logprobs; standard mode (cuBLAS + SDPA) differs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from samebits import LLM, SamplingParams  # noqa: E402
+from tests.determinism.workload import run_shuffled  # noqa: E402
+
+CONFIG = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
+MAX_TOKENS = 32
+
+
+def _llm(**kwargs) -> LLM:
+    return LLM(CONFIG, load_format="dummy", device="cuda", dtype="bfloat16", seed=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    rng = random.Random(0)
+    shared = [rng.randrange(2, 8192) for _ in range(200)]
+    reqs = []
+    for i in range(32):
+        n = 10 + (290 * i) // 31
+        prompt = shared[:n] if i % 4 == 0 else [rng.randrange(2, 8192) for _ in range(n)]
+        reqs.append((prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                            ignore_eos=True)))
+        reqs.append((prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95,
+                                            seed=1000 + i, ignore_eos=True)))
+    return reqs, run_shuffled(_llm(max_num_seqs=1), reqs, None)
+
+
+def _diff(got, want) -> list[int]:
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 16, 64])
+def test_gpu_bitwise_equal_alone_vs_batch(reference, max_num_seqs):
+    reqs, want = reference
+    assert _diff(run_shuffled(_llm(max_num_seqs=max_num_seqs), reqs, max_num_seqs), want) == []
+
+
+def test_gpu_bitwise_equal_chunked_prefill_and_prefix_hits(reference):
+    reqs, want = reference
+    llm = _llm(max_num_seqs=16, max_num_batched_tokens=37)
+    assert _diff(run_shuffled(llm, reqs, 11), want) == []
+    outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])  # now with cache hits
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert _diff([(o.token_ids, o.logprobs) for o in outs], want) == []
+
+
+def test_gpu_bitwise_equal_under_preemption(reference):
+    reqs, want = reference
+    llm = _llm(max_num_seqs=32, num_kv_blocks=64, enable_prefix_caching=False)
+    got = run_shuffled(llm, reqs, 12)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _diff(got, want) == []
+
+
+def test_gpu_score_equals_generation_logprobs(reference):
+    reqs, want = reference
+    scored = _llm(max_num_batched_tokens=61).score(
+        [p + t for (p, _), (t, _) in zip(reqs, want, strict=True)])
+    for (p, _), (_, lp), s in zip(reqs, want, scored, strict=True):
+        assert s[len(p) - 1:] == lp
+
+
+def test_gpu_negative_control_standard_mode_differs(reference):
+    reqs, _ = reference
+    alone = run_shuffled(_llm(max_num_seqs=1, batch_invariant=False), reqs, None)
+    batched = run_shuffled(_llm(max_num_seqs=64, batch_invariant=False), reqs, 3)
+    assert _diff(batched, alone) != []
