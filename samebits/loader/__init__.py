@@ -39,7 +39,7 @@ def resolve_model_dir(spec: str | None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         from samebits.loader import gguf
         return gguf.convert_gguf(path)
-    if path.is_file() and path.name == "config.json":
+    if path.is_file() and path.suffix == ".json":
         return path.parent
     hf.check_model_dir(path)
     if path.is_file():
@@ -49,8 +49,11 @@ def resolve_model_dir(spec: str | None) -> Path:
 
 def load(config: EngineConfig) -> LoadedModel:
     model_dir = resolve_model_dir(config.model)
-    raw_cfg = read_json(model_dir / "config.json")
-    model_config = ModelConfig.from_dict(raw_cfg, str(model_dir / "config.json"))
+    config_file = model_dir / "config.json"
+    if config.model and config.model.endswith(".json"):  # a config file of any name (dummy)
+        config_file = Path(config.model).expanduser()
+    raw_cfg = read_json(config_file)
+    model_config = ModelConfig.from_dict(raw_cfg, str(config_file))
     max_len = config.max_model_len or model_config.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)

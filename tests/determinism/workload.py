@@ -35,12 +35,14 @@ def prompt_token_ids(llm: LLM) -> list[list[int]]:
 
 
 def requests(prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
-    """Each prompt greedy and sampled (temperature 0.8, top_p 0.95, its own seed)."""
+    """Even prompts greedy, odd ones sampled (temperature 0.8, top_p 0.95, each its own seed)."""
     out = []
     for i, p in enumerate(prompts):
-        out.append((p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
-        out.append((p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95,
-                                      seed=1000 + i)))
+        if i % 2 == 0:
+            out.append((p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+        else:
+            out.append((p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95,
+                                          seed=1000 + i)))
     return out
 
 
