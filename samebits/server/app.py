@@ -188,7 +188,6 @@ def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or env.api_key()
     engine = LLMEngine(engine_config(args))
     app = build_app(engine, args.served_model_name or model_name(args.model), api_key)
-    log.info("serving %s (%s)", app.state.ctx.model_name, engine.fingerprint)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

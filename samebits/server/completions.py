@@ -11,7 +11,12 @@ from samebits.engine.sequence import RequestOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import completion_logprobs, text_length
-from samebits.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from samebits.server.protocol import (
+    MAX_CHOICES,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
 from samebits.server.serving import (
     ServingContext,
     collect,
@@ -30,6 +35,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                             ) -> CompletionResponse | StreamingResponse:
     ctx.check_model(req.model)
     prompts = _prompts(ctx, req.prompt)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices "
+                       "per request", param="n")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         ctx.check_length(ids, max_tokens, "prompt")

@@ -13,7 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_N = 64  # choices per request; each choice is one engine request
+MAX_N = 64  # choices per prompt; each choice is one engine request
+MAX_CHOICES = 256  # choices per request, over all prompts of a completion request
 MAX_TOP_LOGPROBS = 20
 
 
@@ -25,7 +26,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields both endpoints share. ``None`` means the default."""
 
     model: str | None = None
@@ -52,7 +53,7 @@ class _SamplingFields(_Request):
         return value
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -88,7 +89,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content or ())
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

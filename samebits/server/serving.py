@@ -18,7 +18,7 @@ from samebits.engine.sequence import RequestOutput
 from samebits.sampling_params import SamplingParams
 from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
 from samebits.server.errors import APIError, from_value_error
-from samebits.server.protocol import ErrorResponse, Usage, _SamplingFields
+from samebits.server.protocol import ErrorResponse, SamplingFields, Usage
 from samebits.server.tokens import TokenText
 from samebits.tokenizer import Tokenizer
 
@@ -56,7 +56,7 @@ class ServingContext:
                            code="context_length_exceeded")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None
                     ) -> SamplingParams:
     """The request's sampling parameters (choice 0's seed); engine-side checks become 400s."""
     defaults = SamplingParams()

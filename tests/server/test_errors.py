@@ -46,6 +46,7 @@ BAD = [  # (id, path, raw body, status, param)
     ("empty-prompt-list", CMPL, _j(prompt=[]), 400, "prompt"),
     ("n-too-large", CMPL, _j(prompt="hi", n=1000), 400, "n"),
     ("n-zero", CMPL, _j(prompt="hi", n=0), 400, "n"),
+    ("too-many-choices", CMPL, _j(prompt=["a"] * 10, n=30), 400, "n"),
     ("top-p-zero", CMPL, _j(prompt="hi", top_p=0), 400, "top_p"),
     ("negative-seed", CMPL, _j(prompt="hi", seed=-1), 400, "seed"),
     ("logprobs-too-many", CMPL, _j(prompt="hi", logprobs=50), 400, "logprobs"),

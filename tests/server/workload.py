@@ -17,13 +17,13 @@ Request = tuple[str, dict[str, Any]]  # ("completions" | "chat", create() keywor
 
 
 def mixed_requests(count: int, seed: int = 1234) -> list[Request]:
-    """Completions and chats of 1-30 words, 3-10 tokens, greedy and sampled, with logprobs;
+    """Completions and chats of 1-30 words, 2-8 tokens, greedy and sampled, with logprobs;
     every seventh asks for two choices."""
     rng = random.Random(seed)
     out: list[Request] = []
     for i in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
-        kw: dict[str, Any] = dict(model="SmolLM2-135M-Instruct", max_tokens=rng.randint(3, 10),
+        kw: dict[str, Any] = dict(model="SmolLM2-135M-Instruct", max_tokens=rng.randint(2, 8),
                                   temperature=rng.choice([0.0, 0.7, 1.0]),
                                   top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 31))
         if i % 7 == 3:
