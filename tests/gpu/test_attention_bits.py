@@ -7,8 +7,6 @@ Negative control: SDPA on the same data laid out contiguously does change with t
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -19,16 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from samebits.ops.backend import AttentionMetadata  # noqa: E402
 from samebits.ops.triton import attention as A  # noqa: E402
-
-
-def record(test: str, **fields: object) -> None:
-    """Print a finding (negative controls) as JSON; append it to $SAMEBITS_GPU_REPORT if set."""
-    line = json.dumps({"test": test, "device": torch.cuda.get_device_name(), **fields})
-    print(line)
-    if os.environ.get("SAMEBITS_GPU_REPORT"):
-        with open(os.environ["SAMEBITS_GPU_REPORT"], "a") as f:
-            f.write(line + "\n")
-
+from tests.gpu.findings import record  # noqa: E402
 
 BS = 16
 

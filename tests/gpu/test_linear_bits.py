@@ -5,9 +5,6 @@ Negative control: the same comparisons through cuBLAS (F.linear), which does cha
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,16 +13,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits.ops.triton import linear as L  # noqa: E402
-
-
-def record(test: str, **fields: object) -> None:
-    """Print a finding (negative controls) as JSON; append it to $SAMEBITS_GPU_REPORT if set."""
-    line = json.dumps({"test": test, "device": torch.cuda.get_device_name(), **fields})
-    print(line)
-    if os.environ.get("SAMEBITS_GPU_REPORT"):
-        with open(os.environ["SAMEBITS_GPU_REPORT"], "a") as f:
-            f.write(line + "\n")
-
+from tests.gpu.findings import record  # noqa: E402
 
 MAX_M = 512
 BIG_MS = (513, 1000, 1024, 2048, 4097, 8192)

@@ -6,9 +6,6 @@ batch-invariant already, in which case the record says so).
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -18,16 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from samebits.ops.standard import StandardBackend  # noqa: E402
 from samebits.ops.triton import rms_norm as RN  # noqa: E402
 from samebits.ops.triton import softmax as SM  # noqa: E402
-
-
-def record(test: str, **fields: object) -> None:
-    """Print a finding (negative controls) as JSON; append it to $SAMEBITS_GPU_REPORT if set."""
-    line = json.dumps({"test": test, "device": torch.cuda.get_device_name(), **fields})
-    print(line)
-    if os.environ.get("SAMEBITS_GPU_REPORT"):
-        with open(os.environ["SAMEBITS_GPU_REPORT"], "a") as f:
-            f.write(line + "\n")
-
+from tests.gpu.findings import record  # noqa: E402
 
 MS = [*range(1, 513), 1000, 2048, 4099]
 
