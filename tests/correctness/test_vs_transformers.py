@@ -32,10 +32,20 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
         assert (got - want).abs().max().item() < LOGIT_TOL
         greedy = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0,
                                                     ignore_eos=True))[0].token_ids
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                                    do_sample=False)[0, len(ids):].tolist()
-        assert greedy == ref
+        assert greedy == _hf_greedy(hf_model, ids, 32)
+
+
+def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """HF greedy decoding with its KV cache, through EOS like ``ignore_eos`` (``generate`` would
+    stop at EOS, and its ``min_new_tokens`` masks EOS instead)."""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = hf_model(x, past_key_values=past, use_cache=True)
+            past, token = res.past_key_values, int(res.logits[0, -1].argmax())
+            out.append(token)
+            x = torch.tensor([[token]])
+    return out
 
 
 @pytest.fixture(scope="module")
