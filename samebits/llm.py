@@ -27,8 +27,10 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.embedder = self.engine = None
         if self.config.task == "embed":  # an encoder: only ``embed``
+            from samebits.decoder_embedder import DecoderEmbedder, is_decoder_model
             from samebits.embedder import Embedder
-            self.embedder = Embedder(self.config)
+            cls = DecoderEmbedder if is_decoder_model(self.config) else Embedder
+            self.embedder = cls(self.config)
             return
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()

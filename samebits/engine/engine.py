@@ -121,16 +121,21 @@ class LLMEngine:
             return "length"
         return None
 
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
+    def prompt_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Final-norm hidden states [n, H] at every position of one prompt, in one pass."""
         self._check_prompt(token_ids, 0)
-        seq = Sequence("prompt-logits", list(token_ids), SamplingParams(), 0, score_only=True)
+        seq = Sequence("prompt-hidden", list(token_ids), SamplingParams(), 0, score_only=True)
         if not self.kv.allocate(seq, len(token_ids)):
-            raise RuntimeError("not enough free KV blocks for prompt_logits")
+            raise RuntimeError("not enough free KV blocks for one prompt")
         try:
-            return self.runner.all_logits(ScheduledBatch([seq], [len(token_ids)]))
+            return self.runner.all_hidden(ScheduledBatch([seq], [len(token_ids)]))
         finally:
             self.kv.free(seq)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
+        with torch.inference_mode():
+            return self.runner.model.compute_logits(self.prompt_hidden(token_ids))
 
     # ---- outputs --------------------------------------------------------------------------
     def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:

@@ -101,11 +101,10 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """fp32 logits [T, V] of every scheduled token (a debugging and reference-check path)."""
+    def all_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of every scheduled token (embeddings, reference checks)."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         seqs = inputs.sample_seqs

@@ -1,0 +1,51 @@
+"""Embeddings from a decoder (Qwen3-Embedding style): the final-norm hidden state of the last
+token (or the first, for ``cls`` pooling), optionally L2-normalised.
+
+Invariance: each input runs through the decoder alone, with the batch-invariant ops, so its vector
+is a function of its own tokens (and the weights and engine constants in ``fingerprint``); the
+normalisation is a row op of the invariant encoder ops. Mean pooling is not offered for decoders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
+from samebits.embedder import Embedder, read_pooling, resolve_embed_model_dir
+from samebits.engine.engine import LLMEngine
+from samebits.ops.encoder import get_encoder_ops
+
+
+class DecoderEmbedder(Embedder):
+    def __init__(self, config: EngineConfig) -> None:  # not super().__init__: that builds a BERT
+        self.config = config
+        self.model_dir = resolve_embed_model_dir(config.model)
+        self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
+        self.pooling, self.normalize = read_pooling(self.model_dir)
+        if self.pooling not in ("lasttoken", "cls"):
+            raise ModelFormatError(f"{self.model_dir}: pooling {self.pooling!r} is not supported "
+                                   "for decoder models; use lasttoken (or cls)")
+        self.engine = LLMEngine(dataclasses.replace(config, task="generate"))
+        self.max_len = self.engine.max_model_len
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.ops = get_encoder_ops(self.device, config.batch_invariant)
+        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
+        self.fingerprint = self.engine.fingerprint + f"-{self.pooling}{'-l2' if self.normalize else ''}"
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[list[int]]) -> list[list[float]]:
+        row = 0 if self.pooling == "cls" else -1
+        pooled = torch.stack([self.engine.prompt_hidden(seq)[row] for seq in ids])
+        if self.normalize:
+            pooled = self.ops.normalize(pooled)
+        return pooled.float().cpu().tolist()
+
+
+def is_decoder_model(config: EngineConfig) -> bool:
+    if config.model is None:
+        return False
+    raw = read_json(resolve_embed_model_dir(config.model) / "config.json")
+    return (raw.get("architectures") or [None])[0] in (
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
