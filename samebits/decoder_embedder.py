@@ -23,6 +23,9 @@ class DecoderEmbedder(Embedder):
         self.config = config
         self.model_dir = resolve_embed_model_dir(config.model)
         self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
+        if not (self.model_dir / "modules.json").is_file():
+            raise ModelFormatError(f"{self.model_dir}: not an embedding model (a decoder without "
+                                   "sentence-transformers modules.json and pooling config)")
         self.pooling, self.normalize = read_pooling(self.model_dir)
         if self.pooling not in ("lasttoken", "cls"):
             raise ModelFormatError(f"{self.model_dir}: pooling {self.pooling!r} is not supported "
