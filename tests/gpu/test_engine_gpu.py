@@ -21,6 +21,7 @@ MAX_TOKENS = 32
 
 
 def _llm(**kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 1 << 29)  # leave the GPU to parallel test workers
     return LLM(CONFIG, load_format="dummy", device="cuda", dtype="bfloat16", seed=0, **kwargs)
 
 
