@@ -30,9 +30,9 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
             want = hf_model(torch.tensor([ids])).logits[0].float()
         got = llm.engine.prompt_logits(ids)
         assert (got - want).abs().max().item() < LOGIT_TOL
-        greedy = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0,
-                                                    ignore_eos=True))[0].token_ids
-        assert greedy == _hf_greedy(hf_model, ids, 32)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(hf_model, ids, 32)
 
 
 def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
