@@ -77,6 +77,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the per-request seeds drawn for requests without one")
+    p.add_argument("--task", default="generate", choices=["generate", "embed"],
+                   help="embed: serve /v1/embeddings from the embedding model --model (default "
+                   "all-MiniLM-L6-v2) instead of a generation model")
+    p.add_argument("--embed-model", default=None, metavar="DEFAULT|PATH",
+                   help="also serve /v1/embeddings from this embedding model, beside the "
+                   "generation model (DEFAULT: all-MiniLM-L6-v2)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 

@@ -1,7 +1,8 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process never collide).
 
 The HTTP side counts requests by status; the engine loop reports tokens, queue lengths, batch
-sizes, KV blocks in use and latencies. prometheus_client is thread-safe, so both may write.
+sizes, KV blocks in use and latencies; the embedding worker reports embedded inputs and tokens.
+prometheus_client is thread-safe, so all may write.
 """
 
 from __future__ import annotations
@@ -50,9 +51,25 @@ class Metrics:
         self.invariant = Gauge("samebits_batch_invariant", "1 when the batch-invariant numerics "
                                "are on, 0 in standard mode", registry=r)
         self.invariant.set(1 if batch_invariant else 0)
-        info = Gauge("samebits_model_info", "The served model and its numerics fingerprint",
-                     ["model", "system_fingerprint"], registry=r)
-        info.labels(model=model, system_fingerprint=fingerprint).set(1)
+        self.embedding_requests = Counter("samebits_embedding_requests", "HTTP requests to "
+                                          "/v1/embeddings, by status code", ["status"],
+                                          registry=r)
+        self.embedding_inputs = Counter("samebits_embedding_inputs", "Inputs embedded",
+                                        registry=r)
+        self.embedding_tokens = Counter("samebits_embedding_tokens", "Tokens embedded",
+                                        registry=r)
+        self.embedding_batch_size = Histogram("samebits_embedding_batch_size", "Inputs per "
+                                              "embedder call (concurrent requests together)",
+                                              buckets=_BATCH_BUCKETS + (1024, 2048), registry=r)
+        self.embedding_latency = Histogram("samebits_embedding_seconds", "Arrival to vectors, "
+                                           "per embedding request", buckets=_LATENCY_BUCKETS,
+                                           registry=r)
+        self._info = Gauge("samebits_model_info", "Each served model and its numerics "
+                           "fingerprint", ["model", "system_fingerprint"], registry=r)
+        self.add_model(model, fingerprint)
+
+    def add_model(self, model: str, fingerprint: str) -> None:
+        self._info.labels(model=model, system_fingerprint=fingerprint).set(1)
 
     def set_engine_state(self, running: int, waiting: int, kv_blocks: int) -> None:
         self.running.set(running)

@@ -9,13 +9,23 @@ sampled with, drawn by the engine when the request gave none, so any answer can 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 64  # choices per prompt; each choice is one engine request
 MAX_CHOICES = 256  # choices per request, over all prompts of a completion request
 MAX_TOP_LOGPROBS = 20
+MAX_EMBEDDING_INPUTS = 2048  # inputs per embedding request, as OpenAI
 
 
 class _Request(BaseModel):
@@ -102,6 +112,27 @@ class ChatCompletionRequest(SamplingFields):
         if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings``. ``truncate`` is a samebits extension: cut inputs over the model's
+    token limit instead of answering 400. ``dimensions`` is accepted only as the model's own."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None  # None: "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate: bool = False
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _input_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # pydantic would report each union member's failure
+            raise ValueError("must be a string, a list of strings, a list of token ids "
+                             "(integers) or a list of token-id lists") from None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -192,6 +223,25 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
 
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    system_fingerprint: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -199,6 +249,7 @@ class ModelCard(BaseModel):
     owned_by: str = "samebits"
     max_model_len: int
     system_fingerprint: str
+    task: Literal["generate", "embed"] = "generate"  # extension: which endpoints serve it
 
 
 class ModelList(BaseModel):

@@ -76,12 +76,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(*extra: str, api_key: str | None = None) -> Iterator[Server]:
+def start_server(*extra: str, api_key: str | None = None,
+                 max_model_len: int | None = MAX_MODEL_LEN) -> Iterator[Server]:
+    """``samebits serve *extra`` on a free loopback port, until the generator is closed."""
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="samebits-serve-", suffix=".log", delete=False)
     args = [sys.executable, "-m", "samebits.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
-            *extra]
+            "--port", str(port), "--log-level", "warning", *extra]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
     if api_key:
         args += ["--api-key", api_key]
     env = {k: v for k, v in os.environ.items() if k != "SAMEBITS_API_KEY"}
@@ -117,9 +120,9 @@ def _wait_ready(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    yield from _start(api_key=API_KEY)
+    yield from start_server(api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
 def standard_server() -> Iterator[Server]:
-    yield from _start("--standard")
+    yield from start_server("--standard")

@@ -1,0 +1,95 @@
+"""Which model answers which endpoint: a generation model (completions, chat), an embedding model
+(embeddings), or both side by side. A request that names the wrong kind of model gets a 400 that
+says what the model is and where to send it; an unknown name gets a 404 listing the served models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from samebits.server.embeddings import EmbeddingService
+from samebits.server.errors import APIError
+from samebits.server.protocol import ModelCard
+from samebits.server.serving import ServingContext
+
+
+@dataclass
+class ServedModels:
+    generation: ServingContext | None
+    embedding: EmbeddingService | None
+
+    def __post_init__(self) -> None:
+        if self.generation is None and self.embedding is None:
+            raise ValueError("a server needs a generation model, an embedding model or both")
+        if self.generation and self.embedding and self._gen_name == self._emb_name:
+            raise ValueError(f"the generation and the embedding model are both named "
+                             f"{self._gen_name!r}: give them different names")
+
+    @property
+    def _gen_name(self) -> str | None:
+        return self.generation.model_name if self.generation else None
+
+    @property
+    def _emb_name(self) -> str | None:
+        return self.embedding.model_name if self.embedding else None
+
+    @property
+    def fingerprint(self) -> str:
+        """The server's fingerprint: the generation model's, else the embedding model's."""
+        if self.generation is not None:
+            return self.generation.fingerprint
+        assert self.embedding is not None
+        return self.embedding.fingerprint
+
+    def cards(self) -> list[ModelCard]:
+        cards = []
+        if (ctx := self.generation) is not None:
+            cards.append(ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len,
+                                   system_fingerprint=ctx.fingerprint))
+        if (svc := self.embedding) is not None:
+            cards.append(ModelCard(id=svc.model_name, max_model_len=svc.max_len,
+                                   system_fingerprint=svc.fingerprint, task="embed"))
+        return cards
+
+    def for_generation(self, name: str | None, endpoint: str) -> ServingContext:
+        """The generation model a completions or chat request names (None: the served one)."""
+        if name is not None and name == self._emb_name:
+            raise self._embedding_model(name, endpoint)
+        if self.generation is None:
+            if name is None:
+                raise self._embedding_model(self._emb_name, endpoint)
+            raise self._not_found(name)
+        if name is not None and name != self._gen_name:
+            raise self._not_found(name)
+        return self.generation
+
+    def for_embedding(self, name: str | None) -> EmbeddingService:
+        """The embedding model an embeddings request names (None: the served one)."""
+        if name is not None and name == self._gen_name:
+            raise self._generation_model(name)
+        if self.embedding is None:
+            if name is None:
+                raise self._generation_model(self._gen_name)
+            raise self._not_found(name)
+        if name is not None and name != self._emb_name:
+            raise self._not_found(name)
+        return self.embedding
+
+    def _embedding_model(self, name: str | None, endpoint: str) -> APIError:
+        hint = (f"; for {endpoint} use {self._gen_name!r}" if self.generation is not None
+                else "; this server serves no generation model")
+        return APIError(400, f"the model {name!r} is an embedding model: it has no {endpoint}; "
+                        f"send it to POST /v1/embeddings{hint}", param="model",
+                        code="model_not_supported")
+
+    def _generation_model(self, name: str | None) -> APIError:
+        hint = (f"; for embeddings use {self._emb_name!r}" if self.embedding is not None
+                else "; this server serves no embedding model (start it with --embed-model, or "
+                "--task embed)")
+        return APIError(400, f"the model {name!r} is a generation model, not an embedding "
+                        f"model{hint}", param="model", code="model_not_supported")
+
+    def _not_found(self, name: str) -> APIError:
+        served = ", ".join(repr(n) for n in (self._gen_name, self._emb_name) if n is not None)
+        return APIError(404, f"the model {name!r} does not exist; this server serves {served}",
+                        param="model", code="model_not_found")

@@ -1,0 +1,324 @@
+"""``POST /v1/embeddings`` through real ``samebits serve`` processes and the official client.
+
+32 texts of 3 to ~480 tokens: each vector is bitwise the same sent alone, sent beside the 31
+others as concurrent requests (which the server embeds together), inside one request in shuffled
+order, and from the offline ``LLM(task="embed")`` -- exact float equality through JSON and base64.
+The negative control runs the alone-vs-one-request check on a ``--standard`` server (stock ops on
+padded batches), where some bits must change. Plus bad input, the generation endpoints of an
+embedding server, metrics, and an embedding model served beside a generation model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from samebits import LLM
+from samebits.embedder import EmbeddingOutput
+from samebits.server.embeddings import EmbeddingService
+from samebits.server.errors import APIError
+from samebits.server.metrics import Metrics
+from tests.server.conftest import API_KEY, start_server
+
+EMBED = "all-MiniLM-L6-v2"
+GEN = "SmolLM2-135M-Instruct"
+WORDS = ("alpha river stone quickly seven blue market engine whisper under the of a to and "
+         "reproducible inference batch vector cannot 2025 naïve café über ++ -- (x) {y}").split()
+WORD_COUNTS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 370, 4, 60, 1, 2, 7, 17, 40, 99, 180,
+               11, 6, 3, 120, 250, 9, 25, 70, 2, 150]
+
+
+def _text(i: int) -> str:
+    rng = random.Random(1000 + i)
+    return " ".join(rng.choice(WORDS) for _ in range(WORD_COUNTS[i]))
+
+
+TEXTS = [_text(i) for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def embed_server():
+    yield from start_server("--task", "embed", api_key=API_KEY, max_model_len=None)
+
+
+@pytest.fixture(scope="module")
+def standard_embed_server():
+    yield from start_server("--task", "embed", "--standard", max_model_len=None)
+
+
+@pytest.fixture(scope="module")
+def both_server():
+    yield from start_server("--embed-model", "DEFAULT")
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(task="embed")
+
+
+def _alone(client: openai.OpenAI, texts: list[str]) -> list[list[float]]:
+    return [client.embeddings.create(model=EMBED, input=t, encoding_format="float"
+                                     ).data[0].embedding for t in texts]
+
+
+def _one_request_shuffled(client: openai.OpenAI, texts: list[str]) -> list[list[float]]:
+    order = list(range(len(texts)))
+    random.Random(7).shuffle(order)
+    out = client.embeddings.create(model=EMBED, input=[texts[i] for i in order],
+                                   encoding_format="float")
+    assert [d.index for d in out.data] == list(range(len(texts)))
+    vectors: list[list[float]] = [[]] * len(texts)
+    for d, i in zip(out.data, order, strict=True):
+        vectors[i] = d.embedding
+    return vectors
+
+
+def _concurrent(client: openai.AsyncOpenAI, texts: list[str], limit: int = 16
+                ) -> list[list[float]]:
+    async def run() -> list[list[float]]:
+        gate = asyncio.Semaphore(limit)
+
+        async def one(text: str) -> list[float]:
+            async with gate:
+                out = await client.embeddings.create(model=EMBED, input=text,
+                                                     encoding_format="float")
+                return out.data[0].embedding
+
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(t) for t in texts)), 300)
+    return asyncio.run(run())
+
+
+def test_vectors_are_bitwise_independent_of_the_batch_and_equal_offline(embed_server, offline):
+    lens = [len(ids) for ids in offline.embedder.tokenize(TEXTS)]
+    assert min(lens) <= 4 and 400 <= max(lens) < 512  # very different lengths
+    tokens_before = embed_server.metric("samebits_embedding_tokens_total")
+    calls_before = embed_server.metric("samebits_embedding_batch_size_count")
+    client = embed_server.client()
+    together = _concurrent(embed_server.async_client(), TEXTS)
+    calls = embed_server.metric("samebits_embedding_batch_size_count") - calls_before
+    assert calls < 32, "concurrent requests should have been embedded together"
+    alone = _alone(client, TEXTS)
+    one_request = _one_request_shuffled(client, TEXTS)
+    reference = [offline.embed([t])[0] for t in TEXTS]
+    assert len(reference[0]) == 384
+    for name, got in [("concurrent", together), ("one request", one_request),
+                      ("offline", reference)]:
+        bad = [i for i in range(32) if got[i] != alone[i]]
+        assert not bad, f"{name}: texts {bad} differ from the same text sent alone"
+    assert (embed_server.metric("samebits_embedding_tokens_total") - tokens_before
+            == 3 * sum(lens))
+
+
+def test_negative_control_standard_server_changes_bits(standard_embed_server):
+    client = standard_embed_server.client()
+    alone, one_request = _alone(client, TEXTS), _one_request_shuffled(client, TEXTS)
+    changed = [i for i in range(32) if one_request[i] != alone[i]]
+    assert changed, "stock ops on padded batches never changed a bit: the test proves nothing"
+    assert np.abs(np.array(one_request) - np.array(alone)).max() < 1e-5  # close, not equal
+
+
+def _decode(b64: str) -> list[float]:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float64).tolist()
+
+
+def test_base64_and_float_encodings_give_the_same_floats(embed_server, offline):
+    client, texts = embed_server.client(), TEXTS[:3]
+    floats = [d.embedding for d in client.embeddings.create(
+        model=EMBED, input=texts, encoding_format="float").data]
+    # without encoding_format the client asks for base64 and decodes it to floats itself
+    default = client.embeddings.create(model=EMBED, input=texts)
+    assert [d.embedding for d in default.data] == floats
+    # asked for explicitly, the client hands back the base64 string
+    raw = client.embeddings.create(model=EMBED, input=texts, encoding_format="base64")
+    assert all(isinstance(d.embedding, str) for d in raw.data)
+    assert [_decode(d.embedding) for d in raw.data] == floats == offline.embed(texts)
+    assert raw.system_fingerprint == offline.fingerprint == default.system_fingerprint
+
+
+def test_response_shape_usage_and_token_id_inputs(embed_server, offline):
+    ids = offline.embedder.tokenize(["hello world", "a second text"])
+    body = dict(model=EMBED, input=ids, user="someone", dimensions=384)
+    r = httpx.post(f"{embed_server.url}/v1/embeddings", json=body, headers=embed_server.headers,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"object", "data", "model", "usage", "system_fingerprint"}
+    assert (out["object"], out["model"]) == ("list", EMBED)
+    n = len(ids[0]) + len(ids[1])
+    assert out["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    assert [(d["object"], d["index"]) for d in out["data"]] == [("embedding", 0), ("embedding", 1)]
+    assert [d["embedding"] for d in out["data"]] == offline.embed(["hello world", "a second text"])
+    one = embed_server.client().embeddings.create(model=EMBED, input=ids[0],
+                                                  encoding_format="float")
+    assert one.data[0].embedding == out["data"][0]["embedding"]  # a flat id list is one input
+
+
+def test_truncate_extension(embed_server, offline):
+    long = " ".join(["word"] * 600)
+    client = embed_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMBED, input=long)
+    assert "512" in e.value.body["message"] and e.value.body["param"] == "input"
+    assert e.value.body["code"] == "context_length_exceeded"
+    out = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
+                                   extra_body={"truncate": True})
+    assert out.usage.prompt_tokens == 512
+    assert out.data[0].embedding == offline.embed([long], truncate=True)[0]
+
+
+def _j(**body) -> bytes:
+    return json.dumps(body).encode()
+
+
+BAD = [  # (id, raw body, status, param)
+    ("empty-string", _j(model=EMBED, input=""), 400, "input"),
+    ("empty-string-in-list", _j(model=EMBED, input=["ok", ""]), 400, "input"),
+    ("empty-list", _j(model=EMBED, input=[]), 400, "input"),
+    ("empty-id-list", _j(model=EMBED, input=[[101, 102], []]), 400, "input"),
+    ("int", _j(model=EMBED, input=5), 400, "input"),
+    ("dict", _j(model=EMBED, input={"text": "hi"}), 400, "input"),
+    ("null", _j(model=EMBED, input=None), 400, "input"),
+    ("nested-mixed", _j(model=EMBED, input=["hi", [101, 102]]), 400, "input"),
+    ("ids-then-text", _j(model=EMBED, input=[101, "hi"]), 400, "input"),
+    ("float-ids", _j(model=EMBED, input=[[101, 1.5]]), 400, "input"),
+    ("too-deep", _j(model=EMBED, input=[[[101]]]), 400, "input"),
+    ("id-negative", _j(model=EMBED, input=[101, -1, 102]), 400, "input"),
+    ("id-out-of-vocab", _j(model=EMBED, input=[[101, 30522, 102]]), 400, "input"),
+    ("over-512-tokens", _j(model=EMBED, input=["short", "word " * 600]), 400, "input"),
+    ("over-512-ids", _j(model=EMBED, input=[1000] * 513), 400, "input"),
+    ("too-many-inputs", _j(model=EMBED, input=["a"] * 2049), 400, "input"),
+    ("missing-input", _j(model=EMBED), 400, "input"),
+    ("unknown-model", _j(model="text-embedding-3-small", input="hi"), 404, "model"),
+    ("bad-encoding-format", _j(model=EMBED, input="hi", encoding_format="hex"), 400,
+     "encoding_format"),
+    ("dimensions-unsupported", _j(model=EMBED, input="hi", dimensions=256), 400, "dimensions"),
+    ("dimensions-zero", _j(model=EMBED, input="hi", dimensions=0), 400, "dimensions"),
+    ("truncate-string", _j(model=EMBED, input="hi", truncate="yes"), 400, "truncate"),
+    ("malformed-json", b'{"input": "hi", ', 400, None),
+    ("invalid-utf8", b'{"input": "\xff\xfe hi"}', 400, None),
+    ("lone-surrogate", b'{"input": ["ok", "\\ud800"]}', 400, None),  # refused by the parser
+]
+
+
+@pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error(embed_server, body, status, param):
+    headers = {**embed_server.headers, "Content-Type": "application/json"}
+    r = httpx.post(f"{embed_server.url}/v1/embeddings", content=body, headers=headers,
+                   timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_server_survives_bad_input_and_counts_it(embed_server):
+    before = embed_server.metric("samebits_embedding_requests_total", status="400")
+    for _, body, _, _ in BAD:
+        httpx.post(f"{embed_server.url}/v1/embeddings", content=body,
+                   headers=embed_server.headers, timeout=60)
+    assert httpx.get(f"{embed_server.url}/health", timeout=30).status_code == 200
+    out = embed_server.client().embeddings.create(model=EMBED, input="still here")
+    assert len(out.data[0].embedding) == 384
+    bad_requests = sum(status == 400 for _, _, status, _ in BAD)
+    assert embed_server.metric("samebits_embedding_requests_total", status="400") >= (
+        before + bad_requests)
+    assert embed_server.metric("samebits_embedding_requests_total", status="200") > 0
+    assert embed_server.metric("samebits_embedding_inputs_total") > 0
+    assert embed_server.metric("samebits_embedding_batch_size_count") > 0
+    r = httpx.post(f"{embed_server.url}/v1/embeddings", json={"input": "hi"}, timeout=30)
+    assert r.status_code == 401  # behind the API key like the rest of /v1
+
+
+def test_embedding_server_refuses_generation_and_lists_its_model(embed_server):
+    client = embed_server.client()
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model=EMBED, prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(model=EMBED, messages=[{"role": "user", "content": "hi"}])
+    r = httpx.post(f"{embed_server.url}/v1/completions", json={"prompt": "hi"},
+                   headers=embed_server.headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=GEN, prompt="hi")
+    models = client.models.list().data
+    assert [(m.id, m.model_extra["task"], m.model_extra["max_model_len"]) for m in models] == [
+        (EMBED, "embed", 512)]
+    health = httpx.get(f"{embed_server.url}/health", timeout=30).json()
+    assert health["system_fingerprint"] == models[0].model_extra["system_fingerprint"]
+
+
+def test_embeddings_beside_a_generation_model(both_server, offline):
+    client = both_server.client()
+    models = {m.id: m.model_extra for m in client.models.list().data}
+    assert set(models) == {GEN, EMBED}
+    assert (models[GEN]["task"], models[EMBED]["task"]) == ("generate", "embed")
+    assert models[EMBED]["system_fingerprint"] == offline.fingerprint
+
+    async def mixed() -> tuple[list, list]:
+        aclient = both_server.async_client()
+        async with aclient:
+            gens = [aclient.completions.create(model=GEN, prompt=f"Count to {i}:", max_tokens=8,
+                                               seed=i) for i in range(4)]
+            embs = [aclient.embeddings.create(model=EMBED, input=t, encoding_format="float")
+                    for t in TEXTS[:8]]
+            done = await asyncio.gather(*gens, *embs)
+        return done[:4], done[4:]
+
+    gens, embs = asyncio.run(mixed())
+    assert [e.data[0].embedding for e in embs] == [offline.embed([t])[0] for t in TEXTS[:8]]
+    assert {e.system_fingerprint for e in embs} == {offline.fingerprint}
+    assert {g.system_fingerprint for g in gens} == {models[GEN]["system_fingerprint"]}
+    assert all(g.choices[0].finish_reason in ("stop", "length") for g in gens)
+    with pytest.raises(openai.BadRequestError, match="generation model"):
+        client.embeddings.create(model=GEN, input="hi")
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(model=EMBED, messages=[{"role": "user", "content": "hi"}])
+    both_server.wait_idle()
+
+
+class _FlakyEmbedder:
+    """Embeds a token-id list as [its length]; raises TypeError for the text "boom"."""
+
+    fingerprint, max_len = "fp_test", 8
+
+    def tokenize(self, inputs, truncate=False):
+        if "boom" in inputs:
+            raise TypeError("tokenizer crashed")
+        if "bad" in inputs:
+            raise ValueError("input 0 has 9 tokens, over the model's limit of 8 tokens; "
+                             "shorten it or pass truncate=True")
+        return [[1] * len(t) for t in inputs]
+
+    def embed_outputs(self, ids):
+        return [EmbeddingOutput([float(len(i))], i) for i in ids]
+
+
+def test_embedding_worker_survives_failures():
+    svc = EmbeddingService(_FlakyEmbedder(), EMBED, Metrics(EMBED, "fp_test", True))
+
+    async def run():
+        svc.start()
+        try:
+            with pytest.raises(APIError) as crash:
+                await svc.embed(["boom"], False)
+            with pytest.raises(APIError) as bad:
+                await svc.embed(["bad"], False)
+            results = await asyncio.gather(*(svc.embed(["x" * n], False) for n in range(1, 9)))
+            return crash.value, bad.value, results
+        finally:
+            svc.stop()
+
+    crash, bad, results = asyncio.run(run())
+    assert (crash.status, bad.status, bad.code) == (500, 400, "context_length_exceeded")
+    assert '"truncate": true' in bad.message
+    assert [r[0].embedding for r in results] == [[float(n)] for n in range(1, 9)]
+    assert svc.metrics.embedding_batch_size._sum.get() == 8  # failed requests embed nothing
