@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer
 
 from samebits.config import EngineConfig, ModelFormatError, read_json
-from samebits.loader import dummy, fingerprint, hf
+from samebits.loader import dummy, fingerprint, hf, resolve_model_dir
 from samebits.models.bert import BertConfig, BertModel
 from samebits.ops.encoder import POOLING_MODES, SeqLayout, get_encoder_ops
 
@@ -58,15 +58,8 @@ def default_model_dir() -> Path:
 
 
 def resolve_embed_model_dir(spec: str | None) -> Path:
-    if spec is None:
-        return default_model_dir()
-    path = Path(spec).expanduser()
-    if path.is_file() and path.name == "config.json":
-        return path.parent
-    hf.check_model_dir(path)
-    if path.is_file():
-        raise ModelFormatError(f"{path}: expected a model directory")
-    return path
+    """The embedding model's directory: the embedded default, or what ``spec`` names."""
+    return default_model_dir() if spec is None else resolve_model_dir(spec)
 
 
 def read_pooling(model_dir: Path) -> tuple[str, bool]:

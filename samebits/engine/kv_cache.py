@@ -125,10 +125,12 @@ class KVCacheManager:
             return
         self._update_hashes(seq, seq.num_computed_tokens)
         full = seq.num_computed_tokens // self.block_size
-        for i in range(full):
+        for i in range(seq.num_committed_blocks, full):  # only the blocks filled since last time
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its last blocks are evicted first."""
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table.clear()
+        seq.num_committed_blocks = 0

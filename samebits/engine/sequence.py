@@ -30,6 +30,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
+    num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_preemptions: int = 0
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cut the text
