@@ -13,15 +13,14 @@ fp32 logits through the invariant backend.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from samebits.ops.backend import OpBackend
+from samebits.ops.tiles import by_tiles
 from samebits.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
-_TILE = 16
 
 
 def mix32(x):  # works on Python ints and on int64 tensors holding values < 2**32
@@ -47,13 +46,6 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (-torch.log(-torch.log(u))).float()
 
 
-def _by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    m = x.shape[0]
-    pad = -(-m // _TILE) * _TILE - m
-    xp = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
-    return torch.cat([fn(xp[i:i + _TILE]) for i in range(0, xp.shape[0], _TILE)])[:m]
-
-
 def _sorted_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """True for tokens outside the top ``k`` (stable descending order: among equal logits the
     lowest ids come first), or outside the smallest prefix of those whose mass reaches ``p``."""
@@ -68,7 +60,7 @@ def _sorted_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
         drop |= (p < 1) & (before >= p)
         return torch.zeros_like(drop).scatter(-1, order, drop)
 
-    return _by_tiles(tile, torch.cat([x, top_k[:, None].to(x.dtype), top_p[:, None].to(x.dtype)],
+    return by_tiles(tile, torch.cat([x, top_k[:, None].to(x.dtype), top_p[:, None].to(x.dtype)],
                                      dim=-1))
 
 

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops.backend import OpBackend, get_backend
-from samebits.ops.reference import TILE_M, TILE_Q, _bmm, _by_tiles
+from samebits.ops.reference import TILE_Q, _bmm
+from samebits.ops.tiles import TILE_M, by_tiles
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
 DEFAULT_SPLIT_SIZE = 32  # keys per attention split (a tile reduces whole splits; texts are short)
@@ -166,7 +167,7 @@ class InvariantEncoderOps:
 
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
                    ) -> torch.Tensor:
-        return _by_tiles(lambda t: F.layer_norm(t, (t.shape[-1],), w, b, eps), x)
+        return by_tiles(lambda t: F.layer_norm(t, (t.shape[-1],), w, b, eps), x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
                   scale: float) -> torch.Tensor:
@@ -206,7 +207,7 @@ class InvariantEncoderOps:
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """L2-normalise each row [B, H] (eps 1e-12, as torch.nn.functional.normalize)."""
-        return _by_tiles(lambda t: F.normalize(t, p=2.0, dim=-1), x)
+        return by_tiles(lambda t: F.normalize(t, p=2.0, dim=-1), x)
 
 
 def _pick_token(x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:

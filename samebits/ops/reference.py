@@ -18,22 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import torch
 
 from samebits.ops.backend import AttentionMetadata, register
+from samebits.ops.tiles import TILE_M, by_tiles, pad_rows
 
-TILE_M = 16  # rows per GEMM / reduction tile
 TILE_Q = 16  # queries per attention tile
-
-
-def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
-    m = x.shape[0]
-    padded = -(-m // tile) * tile
-    if padded == m:
-        return x
-    return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +32,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    xp = _pad_rows(x2.contiguous(), TILE_M)
+    xp = pad_rows(x2.contiguous())
     out = xp.new_empty(xp.shape[0], n)
     wt = w.t()
     # One identical [TILE_M, K] @ [K, N] call per tile. Not a single bmm over the tiles: MKL
@@ -54,32 +45,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return out.reshape(*lead, n)
 
 
-def _by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Apply a row-wise ``fn`` to fixed [TILE_M, H] blocks of ``x`` [..., H]."""
-    lead, h = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, h)
-    m = x2.shape[0]
-    if m == 0:
-        return fn(x2).reshape(*lead, -1)
-    xp = _pad_rows(x2, TILE_M)
-    out = torch.cat([fn(xp[i:i + TILE_M]) for i in range(0, xp.shape[0], TILE_M)])
-    return out[:m].reshape(*lead, out.shape[-1])
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     def tile(t: torch.Tensor) -> torch.Tensor:
         h = t.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(t.dtype)
-    return _by_tiles(tile, x)
+    return by_tiles(tile, x)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    return _by_tiles(lambda t: torch.softmax(t, dim=-1), x)
+    return by_tiles(lambda t: torch.softmax(t, dim=-1), x)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    return _by_tiles(lambda t: torch.log_softmax(t, dim=-1), x)
+    return by_tiles(lambda t: torch.log_softmax(t, dim=-1), x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM  # noqa: E402
+from tests.st_files import write_st_files  # noqa: E402
 
 MINILM = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522,
           "hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6,
@@ -24,14 +25,7 @@ MINILM = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("minilm")
     (path / "config.json").write_text(json.dumps(MINILM))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 384, "pooling_mode_mean_tokens": True}))
+    write_st_files(path, 384, "mean_tokens")
     return path
 
 

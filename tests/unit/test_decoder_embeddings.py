@@ -3,14 +3,13 @@ same alone and in any batch, and equal (to fp32 rounding) to transformers' last 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from samebits import LLM  # noqa: E402
+from tests.st_files import write_st_files  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +21,7 @@ def qwen3_embedding_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     model.save_pretrained(path)
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 128, "pooling_mode_lasttoken": True}))
+    write_st_files(path, 128, "lasttoken")
     return path, model
 
 

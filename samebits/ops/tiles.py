@@ -1,0 +1,35 @@
+"""Fixed-shape row tiles: the device-agnostic way to make a row-wise op batch-invariant.
+
+``by_tiles(fn, x)`` runs ``fn`` on zero-padded blocks of exactly ``TILE_M`` rows, so whatever the
+batch, the library underneath always sees the same problem shape (and so the same kernel and
+reduction order); a row's result never depends on how many rows there are or where it sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TILE_M = 16  # rows per GEMM / reduction tile
+
+
+def pad_rows(x: torch.Tensor, tile: int = TILE_M) -> torch.Tensor:
+    """``x`` [M, ...] zero-padded to a whole number of ``tile`` rows."""
+    m = x.shape[0]
+    padded = -(-m // tile) * tile
+    if padded == m:
+        return x
+    return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])])
+
+
+def by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply a row-wise ``fn`` to fixed [TILE_M, H] blocks of ``x`` [..., H]."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, h)
+    m = x2.shape[0]
+    if m == 0:
+        return fn(x2).reshape(*lead, -1)
+    xp = pad_rows(x2)
+    out = torch.cat([fn(xp[i:i + TILE_M]) for i in range(0, xp.shape[0], TILE_M)])
+    return out[:m].reshape(*lead, out.shape[-1])
