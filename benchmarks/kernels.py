@@ -26,6 +26,7 @@ from triton.testing import do_bench
 
 from samebits.ops.backend import AttentionMetadata
 from samebits.ops.standard import StandardBackend
+from samebits.ops.standard_cuda import StandardCudaBackend
 from samebits.ops.triton import attention as A
 from samebits.ops.triton import linear as L
 from samebits.ops.triton import rms_norm as RN
@@ -192,6 +193,9 @@ def bench_decode(variants: list[dict]) -> None:
             q4 = q[:, :, None]
             stock = us(F.scaled_dot_product_attention, q4, k, v, scale=scale, enable_gqa=True)
             ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+            std = StandardCudaBackend()
+            std_meta = std.plan_attention(meta)
+            std_us = round(us(std.attention, q, kc, vc, std_meta, scale), 1)
             for var in variants:
                 A.LAUNCH.update(var)
                 out = A.attention(q, kc, vc, meta, scale)
@@ -199,7 +203,8 @@ def bench_decode(variants: list[dict]) -> None:
                 t = us(A.attention, q, kc, vc, meta, scale)
                 emit("attention_decode", {"batch": b, "context": ctx, "hq": hq, "hkv": hkv,
                                           "d": d}, "bf16", t, stock,
-                     max_abs_err=err, launch=dict(A.LAUNCH),
+                     max_abs_err=err, launch=dict(A.LAUNCH), standard_paged_us=std_us,
+                     standard_split=std_meta.plan.split_size,
                      invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1))
             del k, v, kc, vc
             torch.cuda.empty_cache()

@@ -20,13 +20,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="stock PyTorch ops instead of the batch-invariant ones")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def _llm(args: argparse.Namespace):
     from samebits import LLM
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                   max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enforce_eager=args.enforce_eager)
     if args.standard:
         kwargs["batch_invariant"] = False
     return LLM(args.model, **kwargs)

@@ -151,6 +151,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 80% of free memory on CUDA
     enable_prefix_caching: bool = True
     attention_split_size: int = 256  # KV tokens per attention split (design.md section 1)
+    enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine import sampler
+from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
@@ -44,11 +45,17 @@ class ModelRunner:
         self.block_size = config.block_size
         per_block = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads
                      * cfg.head_dim * self.dtype.itemsize)
-        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget() // per_block)
-        shape = (self.num_blocks, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget() // per_block - 1)
+        # one block more than the pool hands out: the scratch block CUDA-graph padding rows write
+        shape = (self.num_blocks + 1, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
+                                       loaded.max_model_len, config.block_size,
+                                       config.attention_split_size, scratch_block=self.num_blocks)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -89,13 +96,33 @@ class ModelRunner:
                           self.model.ops.plan_attention(meta), sample_rows, sample_seqs,
                           score_rows, score_spans)
 
+    def _graph_batch(self, batch: ScheduledBatch) -> DecodeBatch | None:
+        """The batch as a CUDA-graph decode step, or None if it is not one (prefill, scoring)."""
+        seqs = batch.seqs
+        if (self.graphs is None or not self.graphs.fits(len(seqs))
+                or any(n != 1 for n in batch.num_new_tokens)
+                or any(s.score_only or s.num_computed_tokens + 1 != s.num_tokens for s in seqs)):
+            return None
+        bs = self.block_size
+        pos = [s.num_computed_tokens for s in seqs]
+        return DecodeBatch(input_ids=[s.all_token_ids[p] for s, p in zip(seqs, pos, strict=True)],
+                           positions=pos,
+                           slots=[s.block_table[p // bs] * bs + p % bs
+                                  for s, p in zip(seqs, pos, strict=True)],
+                           block_tables=[s.block_table for s in seqs])
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        result = StepResult([], [], [], [], [])
+        decode = self._graph_batch(batch)
+        if decode is not None:
+            rows = list(range(len(batch.seqs)))
+            self._sample(rows, batch.seqs, self.graphs.run(decode), result)
+            return result
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        result = StepResult([], [], [], [], [])
         if inputs.sample_rows:
-            self._sample(inputs, hidden, result)
+            self._sample(inputs.sample_rows, inputs.sample_seqs, hidden, result)
         if inputs.score_rows:
             self._score(inputs, hidden, result)
         return result
@@ -106,9 +133,9 @@ class ModelRunner:
         inputs = self.prepare(batch)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
-        seqs = inputs.sample_seqs
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
+    def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
+                result: StepResult) -> None:
+        rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
         tokens, logprobs = sampler.sample(
             self.model.ops, logits, [s.params for s in seqs], [s.seed for s in seqs],

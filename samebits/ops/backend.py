@@ -81,6 +81,17 @@ class OpBackend(Protocol):
         ...
 
 
+class GraphableBackend(OpBackend, Protocol):
+    """A backend whose decode step can be captured in a CUDA graph and replayed."""
+
+    def plan_decode(self, meta: AttentionMetadata, positions: torch.Tensor, max_len: int
+                    ) -> AttentionMetadata:
+        """The plan of a pure-decode batch (sequence i's one query at ``positions[i]``, none past
+        ``max_len`` keys) built over tensors the caller owns and refills between replays: no
+        host-side value of the batch is baked into the launches."""
+        ...
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V [T, Hkv, D] into their slots; attention then reads only the cache."""
@@ -114,4 +125,5 @@ def get_backend(device: torch.device | str, batch_invariant: bool) -> OpBackend:
 def _load_builtin_backends(device_type: str) -> None:
     from samebits.ops import reference, standard  # noqa: F401  (registration side effect)
     if device_type == "cuda":
+        from samebits.ops import standard_cuda  # noqa: F401
         from samebits.ops.triton import backend  # noqa: F401

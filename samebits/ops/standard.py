@@ -1,4 +1,6 @@
-"""The standard backend: stock PyTorch ops (MKL / cuBLAS / SDPA), as fast as the library makes them.
+"""The standard backend: stock PyTorch ops (MKL, SDPA), as fast as the library makes them.
+
+On CUDA, ``standard_cuda.py`` extends it with paged decode (torch has none).
 
 It guarantees nothing about batch invariance: it is the baseline of every benchmark and the negative
 control of every determinism test.
@@ -13,7 +15,6 @@ from samebits.ops.backend import AttentionMetadata, register
 
 
 @register("cpu", False)
-@register("cuda", False)
 class StandardBackend:
     name = "standard"
     batch_invariant = False

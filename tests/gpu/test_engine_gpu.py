@@ -1,7 +1,10 @@
 """The engine's determinism suite on CUDA: a dummy Qwen3-shaped model in bf16 through the Triton
 kernels. Same criteria as tests/determinism (CPU): every request's token ids and logprobs bitwise
 equal alone and in batches of 4/16/64, with chunked prefill, prefix-cache hits and preemption;
-score(prompt + generation) == generation logprobs; standard mode (cuBLAS + SDPA) differs."""
+score(prompt + generation) == generation logprobs; standard mode (cuBLAS + SDPA) differs.
+
+The reference runs eagerly (``enforce_eager``); the batched runs replay CUDA graphs for their decode
+steps (the default), so every comparison also proves graph replay == eager, bit for bit."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def reference():
                                             ignore_eos=True)))
         reqs.append((prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95,
                                             seed=1000 + i, ignore_eos=True)))
-    return reqs, run_shuffled(_llm(max_num_seqs=1), reqs, None)
+    return reqs, run_shuffled(_llm(max_num_seqs=1, enforce_eager=True), reqs, None)
 
 
 def _diff(got, want) -> list[int]:
@@ -45,9 +48,16 @@ def _diff(got, want) -> list[int]:
 
 
 @pytest.mark.parametrize("max_num_seqs", [4, 16, 64])
-def test_gpu_bitwise_equal_alone_vs_batch(reference, max_num_seqs):
+def test_gpu_bitwise_equal_alone_eager_vs_batch_cuda_graphs(reference, max_num_seqs):
     reqs, want = reference
-    assert _diff(run_shuffled(_llm(max_num_seqs=max_num_seqs), reqs, max_num_seqs), want) == []
+    llm = _llm(max_num_seqs=max_num_seqs)
+    assert _diff(run_shuffled(llm, reqs, max_num_seqs), want) == []
+    assert len(llm.engine.runner.graphs.graphs) > 0  # decode steps did replay graphs
+
+
+def test_gpu_graph_alone_equals_eager_alone(reference):
+    reqs, want = reference
+    assert _diff(run_shuffled(_llm(max_num_seqs=1), reqs[:16], None), want[:16]) == []
 
 
 def test_gpu_bitwise_equal_chunked_prefill_and_prefix_hits(reference):
@@ -77,6 +87,19 @@ def test_gpu_score_equals_generation_logprobs(reference):
 
 def test_gpu_negative_control_standard_mode_differs(reference):
     reqs, _ = reference
-    alone = run_shuffled(_llm(max_num_seqs=1, batch_invariant=False), reqs, None)
+    alone = run_shuffled(_llm(max_num_seqs=1, batch_invariant=False, enforce_eager=True), reqs,
+                         None)
     batched = run_shuffled(_llm(max_num_seqs=64, batch_invariant=False), reqs, 3)
     assert _diff(batched, alone) != []
+
+
+def test_gpu_standard_mode_computes_the_same_model(reference):
+    """The standard backend (cuBLAS, SDPA prefill, batch-chosen decode splits) agrees with the
+    invariant engine to bf16 rounding: its greedy tokens' logprobs, rescored by the invariant
+    engine, and its own score of the invariant generations."""
+    reqs, want = reference
+    greedy = [r for i, r in enumerate(reqs) if i % 2 == 0][:8]
+    got = run_shuffled(_llm(max_num_seqs=64, batch_invariant=False), greedy, 5)
+    rescored = _llm().score([p + t for (p, _), (t, _) in zip(greedy, got, strict=True)])
+    for (p, _), (_, lp), s in zip(greedy, got, rescored, strict=True):
+        assert max(abs(a - b) for a, b in zip(s[len(p) - 1:], lp, strict=True)) < 0.1

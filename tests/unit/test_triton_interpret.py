@@ -188,3 +188,45 @@ def test_attention_chunks_schedules_batch_and_blocks() -> None:
             moved.k[dst, p % 8], moved.v[dst, p % 8] = cache.k[src, p % 8], cache.v[src, p % 8]
     out = A.attention(qs[0], moved.k, moved.v, moved.meta([0], [75], [75]), d ** -0.5)
     assert torch.equal(out, alone[0])
+
+
+def test_attention_graph_decode_plan_padding_and_wide_grid_keep_bits() -> None:
+    """The CUDA-graph decode plan (caller-owned tensors, padding rows on a scratch block, a split
+    grid wider than any token needs) gives the eager plan's bits for the real rows."""
+    hq, hkv, d = 4, 2, 32
+    lens = [75, 20, 40]
+    cache = Paged(lens, hkv, d, torch.float16, seed=3, spare=2)
+    scratch = cache.k.shape[0] - 1
+    q = torch.randn(len(lens) + 2, hq, d).half()
+    eager = A.attention(q[:3], cache.k, cache.v, cache.meta([0, 1, 2], lens, [1, 1, 1]), d ** -0.5)
+    meta = cache.meta([0, 1, 2], lens, [1, 1, 1])
+    width = 16
+    tables = [t + [scratch] * (width - len(t)) for t in cache.tables] + [[scratch] * width] * 2
+    meta = dataclasses.replace(
+        meta, block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor(lens + [1, 1], dtype=torch.int32),
+        query_start_loc=torch.arange(6, dtype=torch.int32), seq_lens_list=(128,) * 5,
+        query_start_loc_list=tuple(range(6)))
+    positions = torch.tensor([n - 1 for n in lens] + [0, 0], dtype=torch.int32)
+    planned = dataclasses.replace(meta, plan=A.plan_decode(meta, positions, max_splits=4))
+    graph = A.attention(q, cache.k, cache.v, planned, d ** -0.5)
+    assert torch.equal(graph[:3], eager)
+
+
+def test_standard_cuda_backend_matches_reference_and_picks_split_from_batch() -> None:
+    """The CUDA standard backend's logic (flash-decoding with a batch-chosen split, SDPA for
+    prefill) computes attention, with a split size that follows the batch."""
+    from samebits.ops.standard_cuda import StandardCudaBackend, decode_split_size
+    assert decode_split_size(1, 32768, 132) == 256
+    assert decode_split_size(64, 1280, 132) == 512
+    assert decode_split_size(128, 4096, 132) == 2048
+    assert decode_split_size(256, 4096, 132) == 4096
+    hq, hkv, d = 4, 2, 32
+    lens, q_lens = [75, 20, 40], [1, 20, 1]
+    cache = Paged(lens, hkv, d, torch.float32, seed=5)
+    q = torch.randn(sum(q_lens), hq, d)
+    std = StandardCudaBackend()
+    meta = cache.meta([0, 1, 2], lens, q_lens)
+    out = std.attention(q, cache.k, cache.v, std.plan_attention(meta), d ** -0.5)
+    ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta, d ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5

@@ -53,13 +53,17 @@ class TritonAttentionPlan:
     dec_max_splits: int
     tiles: torch.Tensor  # [n_tiles, 4] int32: (seq, first row, count, first position)
     block_m: int
+    split_size: int  # KV tokens per split (the invariant backend: always meta.split_size)
     flat: bool = False  # prefill walks blocks in one loop, merging at split ends
     counters: torch.Tensor | None = None  # fused-merge counters (made on first use)
 
 
 def plan(meta: AttentionMetadata, block_m: int | None = None,
-         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool | None = None) -> TritonAttentionPlan:
-    qsl, split = meta.query_start_loc_list, meta.split_size
+         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool | None = None,
+         split_size: int | None = None) -> TritonAttentionPlan:
+    """Index tensors for one forward: sequences with ``min_prefill`` or more queries go to the
+    prefill kernel, the others (decode, short chunks) to the split kernel."""
+    qsl, split = meta.query_start_loc_list, split_size or meta.split_size
     dec_seq, dec_pos, dec_row, spans = [], [], [], []
     for b, seq_len in enumerate(meta.seq_lens_list):
         n = qsl[b + 1] - qsl[b]
@@ -84,7 +88,20 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
     return TritonAttentionPlan(
         dec_seq=ints(dec_seq), dec_pos=ints(dec_pos), dec_row=ints(dec_row),
         dec_max_splits=max(dec_pos, default=0) // split + 1,
-        tiles=ints(tiles).view(-1, 4), block_m=block_m, flat=flat)
+        tiles=ints(tiles).view(-1, 4), block_m=block_m, split_size=split, flat=flat)
+
+
+def plan_decode(meta: AttentionMetadata, positions: torch.Tensor, max_splits: int,
+                split_size: int | None = None) -> TritonAttentionPlan:
+    """A pure-decode plan over device tensors the caller owns (CUDA-graph inputs): row i is
+    sequence i's one query at ``positions[i]``; the split grid is ``max_splits`` wide (programs
+    past a token's last split return at once), so it may be captured once and replayed."""
+    n = positions.shape[0]
+    rows = torch.arange(n, dtype=torch.int32, device=positions.device)
+    return TritonAttentionPlan(
+        dec_seq=rows, dec_pos=positions, dec_row=rows, dec_max_splits=max_splits,
+        tiles=torch.empty(0, 4, dtype=torch.int32, device=positions.device), block_m=64,
+        split_size=split_size or meta.split_size)
 
 
 def _counters(p: TritonAttentionPlan, n: int, device: torch.device) -> torch.Tensor:
@@ -104,47 +121,69 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
     p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
-    t, hq, d = q.shape
-    hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    decode(q, k_cache, v_cache, meta, p, scale, out)
+    prefill(q, k_cache, v_cache, meta, p, scale, out)
+    return out
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    d = q.shape[-1]
     if d < 16 or d & (d - 1):
         raise NotImplementedError(f"triton attention: head dim {d} is not a power of two >= 16")
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    out = torch.empty_like(q)
-    c = scale * LOG2E
-    common = dict(D=d, BS=meta.block_size, SPLIT=meta.split_size,
-                  BLOCK_N=key_block(meta.split_size),
-                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    bt = meta.block_tables
+
+
+def _common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> dict:
+    return dict(D=q.shape[-1], BS=meta.block_size, SPLIT=p.split_size,
+                BLOCK_N=key_block(p.split_size),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           p: TritonAttentionPlan, scale: float, out: torch.Tensor) -> None:
+    """Rows ``p.dec_row`` of ``out``: the split kernel, then the merge kernel (flash-decoding)."""
     n_dec = p.dec_row.shape[0]
-    if n_dec:
-        part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
-        part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
-        g = hq // hkv
-        fused = LAUNCH["fused_merge"]  # off: measured no faster on the H200 (NOTES-kernels.md)
-        stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
-        counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
-        _split_kernel[(n_dec, hkv, p.dec_max_splits)](
-            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
-            counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
-            hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=g,
-            ROWS=max(16, triton.next_power_of_2(g)), **common, FUSED=fused,
-            STAGES=stages, TRANS=LAUNCH["split_trans"],
-            num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
-            enable_fp_fusion=False)
-        if not fused:
-            hb = LAUNCH["merge_heads"]
-            _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
-                part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
-                p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
-                SPLIT=meta.split_size, STAGES=stages,
-                num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
+    if not n_dec:
+        return
+    _check(q, k_cache, v_cache)
+    hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    c, bt = scale * LOG2E, meta.block_tables
+    part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
+    part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
+    fused = LAUNCH["fused_merge"]  # off: measured no faster on the H200 (NOTES-kernels.md)
+    stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
+    counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
+    _split_kernel[(n_dec, hkv, p.dec_max_splits)](
+        q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
+        counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
+        hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=hq // hkv,
+        ROWS=max(16, triton.next_power_of_2(hq // hkv)), **_common(q, meta, p), FUSED=fused,
+        STAGES=stages, TRANS=LAUNCH["split_trans"],
+        num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
+        enable_fp_fusion=False)
+    if not fused:
+        hb = LAUNCH["merge_heads"]
+        _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
+            part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
+            p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
+            SPLIT=p.split_size, STAGES=stages,
+            num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, p: TritonAttentionPlan, scale: float, out: torch.Tensor
+            ) -> None:
+    """The query tiles ``p.tiles`` of ``out``: the prefill kernel."""
     n_tiles = p.tiles.shape[0]
-    if n_tiles:
-        _prefill_kernel[(hq, n_tiles)](
-            q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
-            k_cache.stride(1), out.stride(0), out.stride(1), c, G=hq // hkv,
-            BLOCK_M=p.block_m, FLAT=p.flat, **common,
-            num_warps=4 if p.block_m <= 64 else 8,
-            num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
-            enable_fp_fusion=False)
-    return out
+    if not n_tiles:
+        return
+    _check(q, k_cache, v_cache)
+    hq, hkv, bt = q.shape[1], k_cache.shape[2], meta.block_tables
+    _prefill_kernel[(hq, n_tiles)](
+        q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
+        k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
+        BLOCK_M=p.block_m, FLAT=p.flat, **_common(q, meta, p),
+        num_warps=4 if p.block_m <= 64 else 8,
+        num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
+        enable_fp_fusion=False)

@@ -7,6 +7,8 @@ runs the same kernels on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from samebits.ops.backend import AttentionMetadata, register
@@ -38,6 +40,12 @@ class TritonBackend:
 
     def plan_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
         return attention.plan_attention(meta)
+
+    def plan_decode(self, meta: AttentionMetadata, positions: torch.Tensor, max_len: int
+                    ) -> AttentionMetadata:
+        """Pure-decode plan over caller-owned tensors (CUDA graphs); the split size stays fixed."""
+        plan = attention.plan_decode(meta, positions, -(-max_len // meta.split_size))
+        return dataclasses.replace(meta, plan=plan)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

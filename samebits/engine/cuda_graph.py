@@ -1,0 +1,130 @@
+"""CUDA graphs for decode steps: capture the model's forward once per (batch bucket, length
+bucket), then replay it with the step's inputs copied into the graph's own tensors.
+
+An eager decode step launches ~15 kernels per layer, and Triton's launcher costs tens of
+microseconds of host time per launch, so an eager step is bound by the CPU, not the GPU. A replay
+costs one launch.
+
+Buckets. A batch of B decode tokens runs in the graph captured for the smallest bucket >= B (1, 2,
+4, 8, then multiples of 8); rows B.. are padding: token 0 at position 0, its KV written to a
+scratch block no sequence owns, never sampled. The longest context of the batch picks a length
+bucket (a power of two of attention splits), which fixes the attention grid and the block-table
+width. Neither changes a real row's bits in the invariant backend: its kernels' outputs do not
+depend on the number of rows or on the other rows (ops/backend.py), which tests/gpu checks
+against the eager engine bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from samebits.ops.backend import AttentionMetadata
+
+
+def batch_bucket(n: int) -> int:
+    """The captured batch size that serves ``n`` decode tokens: 1, 2, 4, 8, 16, 24, 32, ..."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 8) * 8
+
+
+def len_bucket(max_len: int, split_size: int) -> int:
+    """Keys the graph is captured for: a power-of-two number of splits covering ``max_len``."""
+    splits = -(-max_len // split_size)
+    return (1 << (splits - 1).bit_length()) * split_size
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step's inputs as plain Python (the runner's bookkeeping), one entry a sequence."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+
+
+def pad_rows(batch: DecodeBatch, size: int, width: int, scratch_block: int, block_size: int
+             ) -> list[list[int]]:
+    """The five int rows the graph reads, padded to ``size`` sequences and ``width`` table entries:
+    input ids, positions, slots, seq_lens, and the flattened block tables. Padding rows hold token
+    0 at position 0, written to the scratch block's first slot."""
+    n = len(batch.input_ids)
+    pad = size - n
+    tables = [t + [scratch_block] * (width - len(t)) for t in batch.block_tables]
+    tables += [[scratch_block] * width] * pad
+    return [batch.input_ids + [0] * pad, batch.positions + [0] * pad,
+            batch.slots + [scratch_block * block_size] * pad,
+            [p + 1 for p in batch.positions] + [1] * pad,
+            [b for row in tables for b in row]]
+
+
+class _Captured:
+    """One graph and the tensors it reads and writes."""
+
+    def __init__(self, model, kv_caches: list, size: int, max_len: int, block_size: int,
+                 split_size: int, scratch_block: int, pool) -> None:
+        dev = kv_caches[0][0].device
+        width = -(-max_len // block_size)
+        self.size, self.max_len, self.width = size, max_len, width
+        ints = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(size, **ints)
+        self.positions = torch.zeros(size, **ints)
+        self.slots = torch.full((size,), scratch_block * block_size, **ints)
+        self.dec_pos = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((size, width), scratch_block, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=dev),
+            slot_mapping=self.slots, seq_lens_list=(max_len,) * size,
+            query_start_loc_list=tuple(range(size + 1)), block_size=block_size,
+            split_size=split_size)
+        meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
+        self.graph = torch.cuda.CUDAGraph()
+        model(self.input_ids, self.positions, kv_caches, meta)  # compiles; writes only scratch
+        torch.cuda.synchronize(dev)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.hidden = model(self.input_ids, self.positions, kv_caches, meta)  # [size, H]
+
+    def replay(self, rows: list[list[int]]) -> torch.Tensor:
+        ids, pos, slots, lens, tables = rows
+        host = torch.tensor(ids + pos + slots + lens + tables, dtype=torch.int64)
+        dev = host.to(self.input_ids.device, non_blocking=True)
+        s = self.size
+        self.input_ids.copy_(dev[:s])
+        self.positions.copy_(dev[s:2 * s])
+        self.dec_pos.copy_(dev[s:2 * s])
+        self.slots.copy_(dev[2 * s:3 * s])
+        self.seq_lens.copy_(dev[3 * s:4 * s])
+        self.block_tables.copy_(dev[4 * s:].view(s, self.width))
+        self.graph.replay()
+        return self.hidden
+
+
+class DecodeGraphs:
+    """Captures lazily, on the first batch of each bucket, and replays afterwards."""
+
+    def __init__(self, model, kv_caches: list, max_batch: int, max_model_len: int,
+                 block_size: int, split_size: int, scratch_block: int) -> None:
+        self.model, self.kv_caches = model, kv_caches
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.block_size, self.split_size, self.scratch_block = block_size, split_size, scratch_block
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_batch
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Hidden states [B, H] of the batch's decode tokens, via the graph of its buckets."""
+        n = len(batch.input_ids)
+        key = (batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size))
+        if key not in self.graphs:
+            self.graphs[key] = _Captured(self.model, self.kv_caches, *key, self.block_size,
+                                         self.split_size, self.scratch_block, self.pool)
+        g = self.graphs[key]
+        rows = pad_rows(batch, g.size, g.width, self.scratch_block, self.block_size)
+        return g.replay(rows)[:n]

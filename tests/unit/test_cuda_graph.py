@@ -1,0 +1,28 @@
+"""The CUDA-graph decode path's host-side logic (buckets and padding); capture and replay are
+checked against the eager engine bit for bit in tests/gpu/test_engine_gpu.py."""
+
+from __future__ import annotations
+
+from samebits.engine.cuda_graph import DecodeBatch, batch_bucket, len_bucket, pad_rows
+
+
+def test_batch_buckets_cover_every_size_with_few_graphs() -> None:
+    sizes = [batch_bucket(n) for n in range(1, 257)]
+    assert all(s >= n for n, s in zip(range(1, 257), sizes, strict=True))
+    assert sorted(set(sizes))[:6] == [1, 2, 4, 8, 16, 24]
+    assert len(set(sizes)) == 4 + 31  # 1, 2, 4, 8, then multiples of 8 up to 256
+
+
+def test_len_bucket_is_a_power_of_two_number_of_splits() -> None:
+    assert [len_bucket(n, 256) for n in (1, 256, 257, 1025, 1280, 2049)] == \
+        [256, 256, 512, 2048, 2048, 4096]
+
+
+def test_padding_rows_write_only_the_scratch_block() -> None:
+    batch = DecodeBatch(input_ids=[11, 12], positions=[20, 3], slots=[5 * 16 + 4, 7 * 16 + 3],
+                        block_tables=[[9, 5], [7]])
+    ids, pos, slots, lens, tables = pad_rows(batch, size=4, width=3, scratch_block=99,
+                                             block_size=16)
+    assert ids == [11, 12, 0, 0] and pos == [20, 3, 0, 0] and lens == [21, 4, 1, 1]
+    assert slots == [84, 115, 99 * 16, 99 * 16]
+    assert tables == [9, 5, 99, 7, 99, 99, 99, 99, 99, 99, 99, 99]
