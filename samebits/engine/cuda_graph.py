@@ -82,12 +82,13 @@ class _Captured:
             slot_mapping=self.slots, seq_lens_list=(max_len,) * size,
             query_start_loc_list=tuple(range(size + 1)), block_size=block_size,
             split_size=split_size)
-        meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
+        # kept alive with the graph: it reads the plan's index tensors on every replay
+        self.meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
         self.graph = torch.cuda.CUDAGraph()
-        model(self.input_ids, self.positions, kv_caches, meta)  # compiles; writes only scratch
+        model(self.input_ids, self.positions, kv_caches, self.meta)  # compiles; writes scratch
         torch.cuda.synchronize(dev)
         with torch.cuda.graph(self.graph, pool=pool):
-            self.hidden = model(self.input_ids, self.positions, kv_caches, meta)  # [size, H]
+            self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)  # [size, H]
 
     def replay(self, rows: list[list[int]]) -> torch.Tensor:
         ids, pos, slots, lens, tables = rows
