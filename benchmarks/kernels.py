@@ -197,13 +197,17 @@ def bench_decode(variants: list[dict]) -> None:
             std_meta = std.plan_attention(meta)
             std_us = round(us(std.attention, q, kc, vc, std_meta, scale), 1)
             for var in variants:
+                var = dict(var)
+                split = var.pop("split_size", 256)
+                meta = A.plan_attention(dataclasses.replace(meta, split_size=split, plan=None))
                 A.LAUNCH.update(var)
                 out = A.attention(q, kc, vc, meta, scale)
                 err = (out.float() - ref[:, :, 0].float()).abs().max().item()
                 t = us(A.attention, q, kc, vc, meta, scale)
                 emit("attention_decode", {"batch": b, "context": ctx, "hq": hq, "hkv": hkv,
                                           "d": d}, "bf16", t, stock,
-                     max_abs_err=err, launch=dict(A.LAUNCH), standard_paged_us=std_us,
+                     max_abs_err=err, launch=dict(A.LAUNCH), split_size=split,
+                     standard_paged_us=std_us,
                      standard_split=std_meta.plan.split_size,
                      invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1))
             del k, v, kc, vc
@@ -238,8 +242,11 @@ def bench_prefill(variants: list[dict]) -> None:
         for var in variants:
             var = dict(var)
             block_m, flat = var.pop("block_m", None), var.pop("flat", None)
+            split = var.pop("split_size", 256)
             A.LAUNCH.update(var)
-            meta = dataclasses.replace(base, plan=A.plan(base, block_m=block_m, flat=flat))
+            split_meta = dataclasses.replace(base, split_size=split)
+            meta = dataclasses.replace(split_meta, plan=A.plan(split_meta, block_m=block_m,
+                                                               flat=flat))
             out = A.attention(q, kc, vc, meta, scale)
             err = (out.float() - ref.float()).abs().max().item()
             t = us(A.attention, q, kc, vc, meta, scale)
@@ -247,6 +254,7 @@ def bench_prefill(variants: list[dict]) -> None:
             emit("attention_prefill", {"tokens": n, "hq": hq, "hkv": hkv, "d": d}, "bf16", t,
                  stock, max_abs_err=err, tflops=round(flops / t / 1e6, 1),
                  launch={**A.LAUNCH, "block_m": meta.plan.block_m, "flat": meta.plan.flat},
+                 split_size=split,
                  stock_by_backend_us=backends)
         del k, v, kc, vc
         torch.cuda.empty_cache()
@@ -266,7 +274,7 @@ def summary() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="linear,norms,decode,prefill")
-    ap.add_argument("--sweep", default="", help="linear | attention")
+    ap.add_argument("--sweep", default="", help="linear | attention | split")
     args = ap.parse_args()
     torch.manual_seed(0)
     ops = args.ops.split(",")
@@ -275,13 +283,19 @@ def main() -> None:
     if "norms" in ops:
         bench_norms()
     sweep_att = args.sweep == "attention"
-    if "decode" in ops:
+    if args.sweep == "split":  # the split size is part of the arithmetic: a default to choose
+        splits = [{"split_size": s, "fused_merge": f} for s in (128, 256, 512) for f in (False, True)]
+        if "decode" in ops:
+            bench_decode(splits)
+        if "prefill" in ops:
+            bench_prefill([{"split_size": s} for s in (128, 256, 512)])
+    elif "decode" in ops:
         bench_decode([{"split_stages": s, "split_warps": w, "split_trans": t, "fused_merge": f}
                       for s, w, t, f in ((3, 2, False, False), (2, 4, True, False),
                                          (3, 4, True, False), (2, 8, True, False),
                                          (2, 4, True, True))]
                      if sweep_att else [{}])
-    if "prefill" in ops:
+    if "prefill" in ops and args.sweep != "split":
         bench_prefill([{"block_m": bm, "prefill_stages": s} for bm in (64, 128) for s in (2, 3)]
                       if sweep_att else [{}])
     summary()
