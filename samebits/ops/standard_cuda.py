@@ -4,7 +4,8 @@ What a production engine runs when it does not promise invariance, so the invari
 measured against a fast baseline rather than a strawman. Torch has no paged attention, so:
 
 - prefill chunks go to SDPA (cuDNN / FlashAttention, whichever torch picks) on K/V gathered from
-  the cache -- ``is_causal`` when the chunk starts the sequence, an explicit mask otherwise;
+  the cache -- ``is_causal`` when the chunk starts the sequence, a lower-right causal bias
+  otherwise;
 - single-query sequences (decode) go to the paged split kernel of ``ops/triton/attention.py``
   with the split size chosen *from the batch*, as FlashDecoding and vLLM do: few splits when
   many sequences fill the GPU, many when few do. That choice is exactly what makes a token's bits
@@ -21,9 +22,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from samebits.ops.backend import AttentionMetadata, register
-from samebits.ops.standard import StandardBackend, _sdpa
+from samebits.ops.standard import StandardBackend
 from samebits.ops.triton import attention as paged
 
 MIN_SPLIT = 256  # keys; the smallest split the batch-driven choice may pick
@@ -84,15 +86,26 @@ class StandardCudaBackend(StandardBackend):
     @staticmethod
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, b: int, scale: float) -> torch.Tensor:
-        """SDPA for one chunk q [n, Hq, D] of sequence b."""
-        if meta.seq_lens_list[b] != q.shape[0]:  # cached context before the chunk: masked
-            return _sdpa(q[None], k_cache, v_cache, meta, [b], scale)[0]
-        slots = _slots(meta, b, q.shape[0])
-        k = k_cache.flatten(0, 1)[slots].transpose(0, 1)[None]  # [1, Hkv, n, D]
+        """SDPA for one chunk q [n, Hq, D] of sequence b, over its whole context [L, Hkv, D].
+
+        Contiguous [1, H, len, D] operands, so torch may pick cuDNN or FlashAttention; a chunk
+        after cached context needs a lower-right causal mask, which only the memory-efficient
+        kernel takes, and that one has no GQA: its K/V heads are repeated."""
+        n, hq, _ = q.shape
+        ctx = meta.seq_lens_list[b]
+        slots = _slots(meta, b, ctx)
+        k = k_cache.flatten(0, 1)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True,
-                                           scale=scale, enable_gqa=True)  # [1, Hq, n, D]
-        return o[0].transpose(0, 1)
+        qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
+        if ctx == n:
+            o = F.scaled_dot_product_attention(qh, k.contiguous(), v.contiguous(), is_causal=True,
+                                               scale=scale, enable_gqa=True)
+        else:
+            g = hq // k.shape[1]
+            o = F.scaled_dot_product_attention(
+                qh, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
+                attn_mask=causal_lower_right(n, ctx), scale=scale)
+        return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
 def _slots(meta: AttentionMetadata, b: int, n: int) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_chunked_prefill_and_schedules() -> None:
     for fused, trans, warps in ((False, False, 2), (True, False, 4), (False, True, 4),
                                 (True, True, 8)):  # split path variants
         old = dict(A.LAUNCH)
-        A.LAUNCH.update(fused_merge=fused, split_trans=trans, split_warps=warps)
+        A.LAUNCH.update(fused_merge=fused, split_trans=trans, split_warps=warps, merge_scan=trans)
         try:
             p = A.plan(meta, min_prefill=10 ** 9)
             out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)

@@ -174,7 +174,7 @@ def test_attention_chunks_schedules_batch_and_blocks() -> None:
                                (A.plan(meta, block_m=32, min_prefill=10 ** 9), False, True),
                                (A.plan(meta, block_m=64, min_prefill=16, flat=True), False, False)):
         old = dict(A.LAUNCH)
-        A.LAUNCH.update(fused_merge=fused, split_trans=trans)
+        A.LAUNCH.update(fused_merge=fused, split_trans=trans, merge_scan=trans)
         try:
             out = A.attention(batch, cache.k, cache.v, dataclasses.replace(meta, plan=plan),
                               d ** -0.5)
@@ -222,11 +222,13 @@ def test_standard_cuda_backend_matches_reference_and_picks_split_from_batch() ->
     assert decode_split_size(128, 4096, 132) == 2048
     assert decode_split_size(256, 4096, 132) == 4096
     hq, hkv, d = 4, 2, 32
-    lens, q_lens = [75, 20, 40], [1, 20, 1]
+    lens = [75, 20, 40]
     cache = Paged(lens, hkv, d, torch.float32, seed=5)
-    q = torch.randn(sum(q_lens), hq, d)
     std = StandardCudaBackend()
-    meta = cache.meta([0, 1, 2], lens, q_lens)
-    out = std.attention(q, cache.k, cache.v, std.plan_attention(meta), d ** -0.5)
-    ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta, d ** -0.5)
-    assert (out.double() - ref).abs().max() < 1e-5
+    for q_lens in ([1, 20, 1], [1, 7, 1]):  # a prompt from position 0; a chunk after context
+        q = torch.randn(sum(q_lens), hq, d)
+        meta = cache.meta([0, 1, 2], lens, q_lens)
+        out = std.attention(q, cache.k, cache.v, std.plan_attention(meta), d ** -0.5)
+        ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta,
+                                  d ** -0.5)
+        assert (out.double() - ref).abs().max() < 1e-5, q_lens

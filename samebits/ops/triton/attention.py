@@ -27,14 +27,19 @@ import torch
 import triton
 
 from samebits.ops.backend import AttentionMetadata
-from samebits.ops.triton.attention_kernels import _merge_kernel, _prefill_kernel, _split_kernel
+from samebits.ops.triton.attention_kernels import (
+    _merge_kernel,
+    _merge_scan_kernel,
+    _prefill_kernel,
+    _split_kernel,
+)
 
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": False, "split_trans": True}
+          "fused_merge": False, "split_trans": True, "merge_scan": True}
 
 
 def key_block(split_size: int) -> int:
@@ -162,7 +167,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         STAGES=stages, TRANS=LAUNCH["split_trans"],
         num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
         enable_fp_fusion=False)
-    if not fused:
+    if not fused and LAUNCH["merge_scan"]:
+        part_a = torch.empty_like(part_ml)
+        _merge_scan_kernel[(n_dec, hq)](
+            part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
+            p.dec_max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
+            NS=triton.next_power_of_2(p.dec_max_splits), STAGES=stages,
+            num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
+    elif not fused:
         hb = LAUNCH["merge_heads"]
         _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
             part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,

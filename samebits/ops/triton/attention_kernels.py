@@ -256,3 +256,46 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_
     tl.store(out_ptr + (t0 + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < n)[:, None])
 
+
+
+@triton.jit
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, stride_pt,
+                       stride_ph, stride_ot, stride_oh, c, D: tl.constexpr, SPLIT: tl.constexpr,
+                       NS: tl.constexpr, STAGES: tl.constexpr):
+    """``_merge_kernel``'s bits for one (token ``program_id(0)``, head ``program_id(1)``), faster
+    when there are many splits: the running max after split k is a prefix max, which is exact, so
+    a scan gives the sequential fold's M_k bit for bit, and with it a1_k = exp2((M_{k-1} - M_k) c)
+    and a2_k = exp2((m_k - M_k) c) for every split at once (staged in ``part_a``). The loop is
+    then only ``_merge``'s two fma chains, in ascending split order, its loads pipelined."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + j)
+    t = tl.load(row_ptr + j).to(tl.int64)
+    n_splits = pos // SPLIT + 1
+    base = j.to(tl.int64) * stride_pt + h * stride_ph
+    k = tl.arange(0, NS)
+    live = k < n_splits
+    m_s = tl.load(part_ml + (base + k) * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+    m_before = tl.load(part_ml + (base + k - 1) * 2, mask=live & (k > 0), other=float("-inf"),
+                       cache_modifier=".cg")
+    m_run = tl.associative_scan(m_s, 0, _max_fn)  # M_k
+    m_prev = tl.associative_scan(m_before, 0, _max_fn)  # M_{k-1}, -inf before split 0
+    tl.store(part_a + (base + k) * 2, tl.exp2((m_prev - m_run) * c), mask=live)
+    tl.store(part_a + (base + k) * 2 + 1, tl.exp2((m_s - m_run) * c), mask=live)
+    tl.debug_barrier()  # every thread's a1/a2 stored before any thread reads them
+    d = tl.arange(0, D)
+    L = tl.zeros([1], tl.float32)
+    ACC = tl.zeros([D], tl.float32)
+    for s in tl.range(0, n_splits, num_stages=STAGES):
+        a1 = tl.load(part_a + (base + s) * 2)
+        a2 = tl.load(part_a + (base + s) * 2 + 1)
+        l_s = tl.load(part_ml + (base + s) * 2 + 1, cache_modifier=".cg")
+        acc_s = tl.load(part_acc + (base + s) * D + d, cache_modifier=".cg")
+        L = tl.fma(L, a1, l_s * a2)
+        ACC = tl.fma(ACC, a1, acc_s * a2)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (ACC / L).to(out_ptr.dtype.element_ty))

@@ -1,0 +1,77 @@
+"""Where an end-to-end run spends its time, per mode: eager (prefill / mixed) steps against CUDA-graph
+decode steps, and the top GPU kernels of the eager steps (torch.profiler). JSON lines.
+
+    python benchmarks/profile_e2e.py --model benchmarks/configs/qwen3-8b.json --load-format dummy \
+        --device cuda --num-prompts 64 --prompt-len 1024 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from samebits import LLM, SamplingParams
+from samebits.bench import add_arguments
+
+
+def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    runner = llm.engine.runner
+    run, totals = runner.run, {"graph": [0, 0.0], "eager": [0, 0.0]}
+
+    def timed(batch):
+        kind = "graph" if runner._graph_batch(batch) is not None else "eager"
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = run(batch)
+        torch.cuda.synchronize()
+        totals[kind][0] += 1
+        totals[kind][1] += time.perf_counter() - t0
+        return out
+
+    runner.run = timed
+    try:
+        llm.generate(prompts, params)
+    finally:
+        runner.run = run
+    return {f"{k}_steps": v[0] for k, v in totals.items()} | \
+        {f"{k}_seconds": round(v[1], 3) for k, v in totals.items()}
+
+
+def _top_kernels(llm: LLM, prompts: list, n: int = 12) -> list:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill only
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:n]
+    return [(e.key[:60], e.count, round(e.self_device_time_total / 1e3, 1)) for e in rows]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    args = p.parse_args()
+    for invariant in (False, True):
+        llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  batch_invariant=invariant, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=False)
+        rng = random.Random(0)
+        vocab = llm.engine.loaded.model_config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+                   for _ in range(args.num_prompts)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=7,
+                                ignore_eos=True)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        row = {"bench": "profile_e2e", "mode": "invariant" if invariant else "standard"}
+        row |= _timed_steps(llm, prompts, params)
+        row["prefill_top_kernels_ms"] = _top_kernels(llm, prompts)
+        print(json.dumps(row), flush=True)
+        del llm
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
