@@ -284,7 +284,7 @@ def main() -> None:
         bench_norms()
     sweep_att = args.sweep == "attention"
     if args.sweep == "split":  # the split size is part of the arithmetic: a default to choose
-        splits = [{"split_size": s, "fused_merge": f} for s in (128, 256, 512) for f in (False, True)]
+        splits = [{"split_size": s, "merge_scan": m} for s in (128, 256) for m in (False, True)]
         if "decode" in ops:
             bench_decode(splits)
         if "prefill" in ops:
