@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from samebits.config import EngineConfig
 from samebits.ops.backend import AttentionMetadata
 from samebits.ops.standard import StandardBackend
 from samebits.ops.standard_cuda import StandardCudaBackend
@@ -173,7 +174,7 @@ def _meta(tables: list, seq_lens: list[int], q_lens: list[int], bs: int) -> Atte
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
         slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device="cuda"),
         seq_lens_list=tuple(seq_lens), query_start_loc_list=tuple(qsl), block_size=bs,
-        split_size=256)
+        split_size=EngineConfig.attention_split_size)
     return A.plan_attention(meta)
 
 
@@ -198,7 +199,7 @@ def bench_decode(variants: list[dict]) -> None:
             std_us = round(us(std.attention, q, kc, vc, std_meta, scale), 1)
             for var in variants:
                 var = dict(var)
-                split = var.pop("split_size", 256)
+                split = var.pop("split_size", EngineConfig.attention_split_size)
                 meta = A.plan_attention(dataclasses.replace(meta, split_size=split, plan=None))
                 A.LAUNCH.update(var)
                 out = A.attention(q, kc, vc, meta, scale)
@@ -242,7 +243,7 @@ def bench_prefill(variants: list[dict]) -> None:
         for var in variants:
             var = dict(var)
             block_m, flat = var.pop("block_m", None), var.pop("flat", None)
-            split = var.pop("split_size", 256)
+            split = var.pop("split_size", EngineConfig.attention_split_size)
             A.LAUNCH.update(var)
             split_meta = dataclasses.replace(base, split_size=split)
             meta = dataclasses.replace(split_meta, plan=A.plan(split_meta, block_m=block_m,

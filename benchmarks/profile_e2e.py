@@ -8,6 +8,7 @@ decode steps, and the top GPU kernels of the eager steps (torch.profiler). JSON 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -42,9 +43,10 @@ def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:
         {f"{k}_seconds": round(v[1], 3) for k, v in totals.items()}
 
 
-def _top_kernels(llm: LLM, prompts: list, n: int = 12) -> list:
+def _top_kernels(llm: LLM, prompts: list, max_tokens: int, n: int = 12) -> list:
+    """Top GPU kernels (name, calls, ms) of a run with ``max_tokens`` new tokens per prompt."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill only
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:n]
     return [(e.key[:60], e.count, round(e.self_device_time_total / 1e3, 1)) for e in rows]
 
@@ -67,9 +69,12 @@ def main() -> None:
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         row = {"bench": "profile_e2e", "mode": "invariant" if invariant else "standard"}
         row |= _timed_steps(llm, prompts, params)
-        row["prefill_top_kernels_ms"] = _top_kernels(llm, prompts)
+        prefill = _top_kernels(llm, prompts, 1)
+        row["prefill_top_kernels_ms"] = prefill
+        row["decode_top_kernels_ms"] = _top_kernels(llm, prompts, 17, 16)
         print(json.dumps(row), flush=True)
         del llm
+        gc.collect()  # the engine's KV cache must go before the next one sizes its own
         torch.cuda.empty_cache()
 
 

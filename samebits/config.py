@@ -150,7 +150,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 80% of free memory on CUDA
     enable_prefix_caching: bool = True
-    attention_split_size: int = 256  # KV tokens per attention split (design.md section 1)
+    # KV tokens per attention split (design.md section 1 says 256; 128 measured better on Hopper:
+    # decode at batch 1 / 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
+    attention_split_size: int = 128
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
 

@@ -77,7 +77,7 @@ def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, tr
     scale = d ** -0.5
     pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n]), scale)
     old = dict(A.LAUNCH)
-    A.LAUNCH.update(split_trans=trans, split_warps=4 if trans else 2)
+    A.LAUNCH.update(split_trans=trans, split_warps=4 if trans else 2, merge_scan=trans)
     try:
         dec = _decode_all(cache, q, 0, list(range(n)))
     finally:

@@ -39,7 +39,8 @@ LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": False, "split_trans": True, "merge_scan": True}
+          "fused_merge": False, "split_trans": True, "merge_scan": None,
+          "merge_scan_min_splits": 64}
 
 
 def key_block(split_size: int) -> int:
@@ -167,7 +168,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         STAGES=stages, TRANS=LAUNCH["split_trans"],
         num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
         enable_fp_fusion=False)
-    if not fused and LAUNCH["merge_scan"]:
+    scan = LAUNCH["merge_scan"]
+    if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
+        scan = p.dec_max_splits >= LAUNCH["merge_scan_min_splits"]
+    if not fused and scan:
         part_a = torch.empty_like(part_ml)
         _merge_scan_kernel[(n_dec, hq)](
             part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
