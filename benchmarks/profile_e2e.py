@@ -22,7 +22,16 @@ from samebits.bench import add_arguments
 
 def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:
     runner = llm.engine.runner
-    run, totals = runner.run, {"graph": [0, 0.0], "eager": [0, 0.0]}
+    run, sample = runner.run, runner._sample
+    totals = {"graph": [0, 0.0], "eager": [0, 0.0], "sample": [0, 0.0]}
+
+    def timed_sample(*args):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sample(*args)
+        torch.cuda.synchronize()
+        totals["sample"][0] += 1
+        totals["sample"][1] += time.perf_counter() - t0
 
     def timed(batch):
         kind = "graph" if runner._graph_batch(batch) is not None else "eager"
@@ -34,11 +43,11 @@ def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:
         totals[kind][1] += time.perf_counter() - t0
         return out
 
-    runner.run = timed
+    runner.run, runner._sample = timed, timed_sample
     try:
         llm.generate(prompts, params)
     finally:
-        runner.run = run
+        runner.run, runner._sample = run, sample
     return {f"{k}_steps": v[0] for k, v in totals.items()} | \
         {f"{k}_seconds": round(v[1], 3) for k, v in totals.items()}
 
