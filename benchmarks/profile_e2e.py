@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from samebits import LLM, SamplingParams
-from samebits.bench import add_arguments
+from samebits.bench import add_arguments, workload
 
 
 def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:
@@ -65,17 +64,7 @@ def main() -> None:
     add_arguments(p)
     args = p.parse_args()
     for invariant in (False, True):
-        llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                  batch_invariant=invariant, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=False)
-        rng = random.Random(0)
-        vocab = llm.engine.loaded.model_config.vocab_size
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
-                   for _ in range(args.num_prompts)]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=7,
-                                ignore_eos=True)
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        llm, prompts, params = workload(args, invariant)
         row = {"bench": "profile_e2e", "mode": "invariant" if invariant else "standard"}
         row |= _timed_steps(llm, prompts, params)
         prefill = _top_kernels(llm, prompts, 1)

@@ -21,7 +21,10 @@ import torch
 from samebits import LLM, SamplingParams
 
 
-def run(args: argparse.Namespace, invariant: bool) -> dict:
+def workload(args: argparse.Namespace, invariant: bool
+             ) -> tuple[LLM, list[list[int]], SamplingParams]:
+    """The engine for one mode, the random prompts and the sampling params, warmed up on the same
+    shapes (kernels compiled, the decode graphs it will use captured)."""
     llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
               batch_invariant=invariant, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -32,8 +35,12 @@ def run(args: argparse.Namespace, invariant: bool) -> dict:
                for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=7,
                             ignore_eos=True)
-    # warm-up on the same shapes: compiles the kernels and captures the decode graphs it will use
     llm.generate(prompts, SamplingParams(max_tokens=min(4, args.max_tokens), ignore_eos=True))
+    return llm, prompts, params
+
+
+def run(args: argparse.Namespace, invariant: bool) -> dict:
+    llm, prompts, params = workload(args, invariant)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
