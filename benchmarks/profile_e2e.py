@@ -59,6 +59,23 @@ def _top_kernels(llm: LLM, prompts: list, max_tokens: int, n: int = 12) -> list:
     return [(e.key[:60], e.count, round(e.self_device_time_total / 1e3, 1)) for e in rows]
 
 
+def _replay_ms(llm: LLM) -> dict:
+    """GPU milliseconds of one replay of each captured decode graph (median of 20, events)."""
+    graphs = llm.engine.runner.graphs
+    out = {}
+    for key, g in ({} if graphs is None else graphs.graphs).items():
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out[f"batch{key[0]}_len{key[1]}"] = round(sorted(times)[10], 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     add_arguments(p)
@@ -67,6 +84,7 @@ def main() -> None:
         llm, prompts, params = workload(args, invariant)
         row = {"bench": "profile_e2e", "mode": "invariant" if invariant else "standard"}
         row |= _timed_steps(llm, prompts, params)
+        row["graph_replay_ms"] = _replay_ms(llm)
         prefill = _top_kernels(llm, prompts, 1)
         row["prefill_top_kernels_ms"] = prefill
         row["decode_top_kernels_ms"] = _top_kernels(llm, prompts, 17, 16)
