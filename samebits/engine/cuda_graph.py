@@ -106,7 +106,7 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """Captures lazily, on the first batch of each bucket, and replays afterwards."""
+    """Captures on the first decode step of each length bucket (all batch buckets), then replays."""
 
     def __init__(self, model, kv_caches: list, max_batch: int, max_model_len: int,
                  block_size: int, split_size: int, scratch_block: int) -> None:
@@ -116,6 +116,16 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
+    def _capture_all(self, max_len: int) -> None:
+        """Every batch bucket of a length bucket at once, so that only the first decode step at a
+        new context length pays for captures -- not each step where requests finish and the
+        batch shrinks into a new bucket."""
+        sizes = sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
+        for size in sizes:  # largest first: the shared pool is sized by it once
+            self.graphs[(size, max_len)] = _Captured(
+                self.model, self.kv_caches, size, max_len, self.block_size, self.split_size,
+                self.scratch_block, self.pool)
+
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
@@ -124,8 +134,7 @@ class DecodeGraphs:
         n = len(batch.input_ids)
         key = (batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size))
         if key not in self.graphs:
-            self.graphs[key] = _Captured(self.model, self.kv_caches, *key, self.block_size,
-                                         self.split_size, self.scratch_block, self.pool)
+            self._capture_all(key[1])
         g = self.graphs[key]
         rows = pad_rows(batch, g.size, g.width, self.scratch_block, self.block_size)
         return g.replay(rows)[:n]
