@@ -108,10 +108,10 @@ class _Captured:
 class DecodeGraphs:
     """Captures on the first decode step of each length bucket (all batch buckets), then replays."""
 
-    def __init__(self, model, kv_caches: list, max_batch: int, max_model_len: int,
-                 block_size: int, split_size: int, scratch_block: int) -> None:
-        self.model, self.kv_caches = model, kv_caches
-        self.max_batch, self.max_model_len = max_batch, max_model_len
+    def __init__(self, model, kv_caches: list, max_batch: int, block_size: int, split_size: int,
+                 scratch_block: int) -> None:
+        """``model.ops`` must be a ``GraphableBackend`` (ops/backend.py)."""
+        self.model, self.kv_caches, self.max_batch = model, kv_caches, max_batch
         self.block_size, self.split_size, self.scratch_block = block_size, split_size, scratch_block
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()

@@ -54,8 +54,8 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
-                                       loaded.max_model_len, config.block_size,
-                                       config.attention_split_size, scratch_block=self.num_blocks)
+                                       config.block_size, config.attention_split_size,
+                                       scratch_block=self.num_blocks)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -73,7 +73,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.all_token_ids[start:start + n])
             pos.extend(range(start, start + n))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(self._slot(seq, p) for p in range(start, start + n))
             seq_lens.append(start + n)
             if seq.score_only:
                 score_spans.append((seq, start, n))
@@ -103,13 +103,15 @@ class ModelRunner:
                 or any(n != 1 for n in batch.num_new_tokens)
                 or any(s.score_only or s.num_computed_tokens + 1 != s.num_tokens for s in seqs)):
             return None
-        bs = self.block_size
         pos = [s.num_computed_tokens for s in seqs]
         return DecodeBatch(input_ids=[s.all_token_ids[p] for s, p in zip(seqs, pos, strict=True)],
                            positions=pos,
-                           slots=[s.block_table[p // bs] * bs + p % bs
-                                  for s, p in zip(seqs, pos, strict=True)],
+                           slots=[self._slot(s, p) for s, p in zip(seqs, pos, strict=True)],
                            block_tables=[s.block_table for s in seqs])
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        """The flat KV-cache slot of ``seq``'s token at ``pos``."""
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:

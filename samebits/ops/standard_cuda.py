@@ -76,9 +76,8 @@ class StandardCudaBackend(StandardBackend):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        p = meta.plan if isinstance(meta.plan, paged.TritonAttentionPlan) else None
-        if p is None:
-            p = self.plan_attention(meta).plan
+        p = meta.plan if isinstance(meta.plan, paged.TritonAttentionPlan) else \
+            self.plan_attention(meta).plan
         out = torch.empty_like(q)
         paged.decode(q, k_cache, v_cache, meta, p, scale, out)
         qsl = meta.query_start_loc_list
