@@ -259,6 +259,22 @@ def bench_prefill(variants: list[dict]) -> None:
                  stock_by_backend_us=backends)
         del k, v, kc, vc
         torch.cuda.empty_cache()
+    print(json.dumps({"compiled": compiled_info(A._prefill_kernel)}), flush=True)
+
+
+def compiled_info(fn) -> list[dict]:
+    """Registers, spills and shared memory of every compiled specialization of a Triton kernel
+    (the JIT cache's layout is Triton's internal: best effort)."""
+    out = []
+    try:
+        for caches in fn.device_caches.values():
+            for key, k in caches[0].items():
+                out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
+                            "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
+                            "key": str(key)[-160:]})
+    except (AttributeError, IndexError, TypeError) as e:
+        out.append({"error": repr(e)[:200]})
+    return out
 
 
 def summary() -> None:
@@ -291,13 +307,11 @@ def main() -> None:
         if "prefill" in ops:
             bench_prefill([{"split_size": s} for s in (128, 256, 512)])
     elif "decode" in ops:
-        bench_decode([{"split_stages": s, "split_warps": w, "split_trans": t, "fused_merge": f}
-                      for s, w, t, f in ((3, 2, False, False), (2, 4, True, False),
-                                         (3, 4, True, False), (2, 8, True, False),
-                                         (2, 4, True, True))]
+        bench_decode([{"split_warps": sw, "merge_warps": mw, "merge_stages": ms}
+                      for sw, mw, ms in ((4, 1, 12), (4, 4, 12), (4, 1, 24), (8, 2, 12))]
                      if sweep_att else [{}])
     if "prefill" in ops and args.sweep != "split":
-        bench_prefill([{"block_m": bm, "prefill_stages": s} for bm in (64, 128) for s in (2, 3)]
+        bench_prefill([{"block_m": bm, "prefill_stages": s} for bm, s in ((128, 3), (128, 4))]
                       if sweep_att else [{}])
     summary()
 

@@ -39,7 +39,7 @@ class Paged:
             perm = perm[n:]
 
     def meta(self, seqs: list[int], seq_lens: list[int], q_lens: list[int],
-             split: int = 256) -> AttentionMetadata:
+             split: int = 128) -> AttentionMetadata:
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
@@ -60,7 +60,7 @@ class Paged:
         return self.k[blocks, pos % self.bs], self.v[blocks, pos % self.bs]  # [n, Hkv, D]
 
 
-def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], split: int = 256):
+def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], split: int = 128):
     """Each position as a one-query sequence, all in one batch (split path)."""
     meta = cache.meta([seq] * len(positions), [p + 1 for p in positions], [1] * len(positions),
                       split)
@@ -70,16 +70,20 @@ def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], s
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 64), (16, 2, 128), (12, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("trans", [False, True])
-def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, trans: bool) -> None:
-    n = 1100  # splits end at 256, 512, 768, 1024; key blocks at every 64
+@pytest.mark.parametrize("split", [128, 256])
+def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, trans: bool,
+                               split: int) -> None:
+    """Split 128 (the default) is one 128-key block per split; split 256 is two 128-key blocks
+    with an online softmax inside the split."""
+    n = 1100  # split boundaries every 128 / 256 keys
     cache = Paged([n], hkv, d, dtype)
     q = torch.randn(n, hq, d, device="cuda").to(dtype)
     scale = d ** -0.5
-    pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n]), scale)
+    pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n], split), scale)
     old = dict(A.LAUNCH)
     A.LAUNCH.update(split_trans=trans, split_warps=4 if trans else 2, merge_scan=trans)
     try:
-        dec = _decode_all(cache, q, 0, list(range(n)))
+        dec = _decode_all(cache, q, 0, list(range(n)), split)
     finally:
         A.LAUNCH.update(old)
     bad = (pre != dec).flatten(1).any(1).nonzero().flatten().tolist()

@@ -135,20 +135,25 @@ class Paged:
             query_start_loc_list=tuple(qsl), block_size=self.bs, split_size=split)
 
 
+@pytest.mark.parametrize("split", [32, 48])
 @pytest.mark.parametrize("hq,hkv,dtype", [(4, 2, torch.float16), (2, 2, torch.float32),
                                           (3, 1, torch.float16)])
-def test_attention_decode_equals_prefill(hq: int, hkv: int, dtype: torch.dtype) -> None:
-    n, d = 75, 32  # splits of 32 keys: boundaries at 32 and 64; blocks of 8
+def test_attention_decode_equals_prefill(hq: int, hkv: int, dtype: torch.dtype, split: int
+                                         ) -> None:
+    """Split 32 is one key block per split (the default's shape: split 128 = one 128-key block);
+    split 48 is three 16-key blocks with an online softmax inside the split."""
+    n, d = 75, 32
+    assert A.key_block(split) == (32 if split == 32 else 16)
     cache = Paged([n], hkv, d, dtype)
     q = torch.randn(n, hq, d).to(dtype)
-    meta = cache.meta([0], [n], [n])
+    meta = cache.meta([0], [n], [n], split=split)
     # fp32 dots go through numpy's BLAS, whose bits follow the tile's row count: pin 16 rows,
     # the split kernel's, there (on the GPU the tile shape does not matter)
     block_m = 16 if dtype == torch.float32 else None
     planned = dataclasses.replace(meta, plan=A.plan(meta, block_m=block_m))
     pre = A.attention(q, cache.k, cache.v, planned, d ** -0.5)
-    dec = A.attention(q, cache.k, cache.v, cache.meta([0] * n, list(range(1, n + 1)), [1] * n),
-                      d ** -0.5)
+    dec = A.attention(q, cache.k, cache.v,
+                      cache.meta([0] * n, list(range(1, n + 1)), [1] * n, split=split), d ** -0.5)
     assert torch.equal(pre, dec)
     ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta, d ** -0.5)
     assert (pre.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-3)

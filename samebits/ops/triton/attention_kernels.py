@@ -67,6 +67,37 @@ def _block_update_t(m, lsT, accT, qT, k, v, visible, c, PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _split_partial(q, k, v, visible, c, PRECISION: tl.constexpr):
+    """(m, l, acc) of a split that is one key block (``BLOCK_N == SPLIT``), from an empty state:
+    ``m`` the row max, ``p = exp2(fma(s, c, -m*c))``, ``l = dot(p, ones)``, ``acc = dot(p, V)``
+    -- both products start from zero, so nothing of a previous split enters them."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = tl.where(visible, s, float("-inf"))
+    m = tl.max(s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(tl.fma(s, c, -(m_safe * c)[:, None])).to(v.dtype)
+    ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
+    acc = tl.dot(p, v, input_precision=PRECISION)
+    ls = tl.dot(p, ones, input_precision=PRECISION)
+    return m, tl.max(ls, 1), acc
+
+
+@triton.jit
+def _split_partial_t(qT, k, v, visible, c, PRECISION: tl.constexpr):
+    """``_split_partial`` with every product transposed (same products, same K order); returns
+    (m [R], l [R], accT [D, R])."""
+    sT = tl.dot(k, qT, input_precision=PRECISION)
+    sT = tl.where(visible, sT, float("-inf"))
+    m = tl.max(sT, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    pT = tl.exp2(tl.fma(sT, c, -(m_safe * c)[None, :])).to(v.dtype)
+    ones = tl.full([16, v.shape[0]], 1.0, v.dtype)
+    accT = tl.dot(tl.trans(v), pT, input_precision=PRECISION)
+    lsT = tl.dot(ones, pT, input_precision=PRECISION)
+    return m, tl.max(lsT, 0), accT
+
+
+@triton.jit
 def _merge(M, L, ACC, m_s, l_s, acc_s, c):
     """Fold one split's partial into the running (max, sum, acc) of the splits before it."""
     m_new = tl.maximum(M, m_s)
@@ -84,8 +115,8 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
                   TRANS: tl.constexpr):
     """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
     head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies.
-    TRANS runs ``_block_update_t`` (same bits, MMAs with 64-row tiles of keys or D instead of
-    16 padded query rows). With FUSED, the last of the token's split programs to finish (an
+    TRANS runs the transposed products (same bits, MMAs with 64-row tiles of keys or D instead
+    of 16 padded query rows). With FUSED, the last of the token's split programs to finish (an
     atomic counter per token and kv head, reset by that program) merges all of them in order, as
     ``_merge_kernel`` would.
 
@@ -106,32 +137,18 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
     d = tl.arange(0, D)
     q = tl.load(q_ptr + t * stride_qt + hq[:, None] * stride_qh + d[None, :])
     k_hi = tl.minimum(k_lo + SPLIT, pos + 1)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
     rows = tl.arange(0, ROWS)
     base = j.to(tl.int64) * stride_pt + hq * stride_ph + split
+    bt_row = bt_ptr + b * stride_bt
     if TRANS:
-        qT = tl.trans(q)
-        lsT = tl.zeros([16, ROWS], tl.float32)
-        accT = tl.zeros([D, ROWS], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_N):
-            key_pos = k0 + tl.arange(0, BLOCK_N)
-            k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
-                             stride_slot, BS, D)
-            m, lsT, accT = _block_update_t(m, lsT, accT, qT, k, v, key_pos[:, None] <= pos, c,
-                                           PRECISION)
-        tl.store(part_ml + base * 2 + 1, tl.max(lsT, 0), mask=rows < G)
+        m, ls, accT = _split_t(tl.trans(q), k_cache, v_cache, bt_row, h * D, k_lo, k_hi, pos,
+                               stride_slot, c, ROWS, D, BS, SPLIT, BLOCK_N, PRECISION)
         tl.store(part_acc + base[None, :] * D + d[:, None], accT, mask=(rows < G)[None, :])
     else:
-        ls = tl.zeros([ROWS, 16], tl.float32)
-        acc = tl.zeros([ROWS, D], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_N):
-            key_pos = k0 + tl.arange(0, BLOCK_N)
-            k, v = _kv_block(k_cache, v_cache, bt_ptr + b * stride_bt, h * D, key_pos, k_hi,
-                             stride_slot, BS, D)
-            m, ls, acc = _block_update(m, ls, acc, q, k, v, key_pos[None, :] <= pos, c,
-                                       PRECISION)
-        tl.store(part_ml + base * 2 + 1, tl.max(ls, 1), mask=rows < G)
+        m, ls, acc = _split(q, k_cache, v_cache, bt_row, h * D, k_lo, k_hi, pos, stride_slot, c,
+                            ROWS, D, BS, SPLIT, BLOCK_N, PRECISION)
         tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
+    tl.store(part_ml + base * 2 + 1, ls, mask=rows < G)
     tl.store(part_ml + base * 2, m, mask=rows < G)
     if FUSED:
         n_splits = pos // SPLIT + 1
@@ -145,6 +162,52 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
                                 D, STAGES)
             tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _split_t(qT, k_cache, v_cache, bt_row, head_off, k_lo, k_hi, pos, stride_slot, c,
+             ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
+             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """(m [R], l [R], accT [D, R]) of keys [k_lo, k_hi) for one query, transposed products."""
+    if SPLIT == BLOCK_N:
+        key_pos = k_lo + tl.arange(0, BLOCK_N)
+        k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS, D)
+        m, ls, accT = _split_partial_t(qT, k, v, key_pos[:, None] <= pos, c, PRECISION)
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        lsT = tl.zeros([16, ROWS], tl.float32)
+        accT = tl.zeros([D, ROWS], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS,
+                             D)
+            m, lsT, accT = _block_update_t(m, lsT, accT, qT, k, v, key_pos[:, None] <= pos, c,
+                                           PRECISION)
+        ls = tl.max(lsT, 0)
+    return m, ls, accT
+
+
+@triton.jit
+def _split(q, k_cache, v_cache, bt_row, head_off, k_lo, k_hi, pos, stride_slot, c,
+           ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
+           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """``_split_t`` with untransposed products: (m [R], l [R], acc [R, D])."""
+    if SPLIT == BLOCK_N:
+        key_pos = k_lo + tl.arange(0, BLOCK_N)
+        k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS, D)
+        m, ls, acc = _split_partial(q, k, v, key_pos[None, :] <= pos, c, PRECISION)
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        ls2 = tl.zeros([ROWS, 16], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS,
+                             D)
+            m, ls2, acc = _block_update(m, ls2, acc, q, k, v, key_pos[None, :] <= pos, c,
+                                        PRECISION)
+        ls = tl.max(ls2, 1)
+    return m, ls, acc
 
 
 @triton.jit
@@ -218,7 +281,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     ls = tl.zeros([BLOCK_M, 16], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if FLAT:
+    if FLAT and SPLIT != BLOCK_N:
         n_blocks = tl.cdiv(max_p + 1, BLOCK_N)
         for jb in range(0, n_blocks):
             key_pos = jb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,6 +294,21 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_
                 m = tl.full([BLOCK_M], float("-inf"), tl.float32)
                 ls = tl.zeros([BLOCK_M, 16], tl.float32)
                 acc = tl.zeros([BLOCK_M, D], tl.float32)
+    elif SPLIT == BLOCK_N:  # one block per split: each block's partial is merged at once
+        k_mid = (p0 + 1) // BLOCK_N * BLOCK_N  # blocks wholly at or below p0 need no mask
+        for k0 in range(0, k_mid, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, max_p + 1, stride_slot,
+                             BS, D)
+            m, l_s, acc = _split_partial(q, k, v, True, c, PRECISION)
+            M, L, ACC = _merge(M, L, ACC, m, l_s, acc, c)
+        for k0 in range(k_mid, max_p + 1, BLOCK_N):
+            key_pos = k0 + tl.arange(0, BLOCK_N)
+            k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, max_p + 1, stride_slot,
+                             BS, D)
+            m, l_s, acc = _split_partial(q, k, v, key_pos[None, :] <= row_pos[:, None], c,
+                                         PRECISION)
+            M, L, ACC = _merge(M, L, ACC, m, l_s, acc, c)
     else:
         for k_lo in range(0, max_p + 1, SPLIT):
             k_hi = tl.minimum(k_lo + SPLIT, max_p + 1)
