@@ -229,7 +229,18 @@ def test_hf_model_stock_logits_change_with_batch(qwen3: torch.nn.Module, seq_len
     difference comes from MKL's threading, so it needs more than one thread."""
     if seq_len > 8 and torch.get_num_threads() == 1:
         pytest.skip("single-threaded MKL gives M >= 16 products the same bits")
+    if seq_len > 8 and _cpu_vendor() == "AuthenticAMD":
+        pytest.skip("MKL's threaded M >= 16 products kept their bits on AMD EPYC (2026-11-22); the "
+                    "7-token control shows the stock model changing there")
     assert _alone_vs_batched(qwen3, seq_len) != []
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":")[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize("seq_len", [pytest.param(7, marks=needs_one_tile_fix), 17])

@@ -3,9 +3,12 @@
 Contract (design.md section 1, the arithmetic of reference.py): the query at position p reduces
 over KV positions [0, p] in splits of ``split_size`` keys; each split is walked in blocks of
 ``key_block(split_size)`` keys in ascending order (online softmax from an empty state), and the
-split partials are merged in ascending order. The bits of a query's output depend only on q, p
-and the K/V of positions [0, p] of its own sequence -- never on how many queries of the sequence
-run this step, on the batch, or on which physical blocks hold its KV.
+split partials are merged in ascending order. At the default split of 128 keys a split *is* one
+128-key block: its partial is (row max, dot(p, 1), dot(p, V)) from zero, with no rescaling inside
+the split, which is what lets the prefill kernel merge each block's partial at once with one
+accumulator less. The bits of a query's output depend only on q, p and the K/V of positions
+[0, p] of its own sequence -- never on how many queries of the sequence run this step, on the
+batch, or on which physical blocks hold its KV.
 
 Two schedules produce those bits (attention_kernels.py holds the shared arithmetic):
 
@@ -44,7 +47,8 @@ LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_wa
 
 
 def key_block(split_size: int) -> int:
-    """Keys per online-softmax block: part of the arithmetic, a function of split_size alone."""
+    """Keys per online-softmax block: part of the arithmetic, a function of split_size alone
+    (128 when it divides the split: then a 128-key split is a single block)."""
     for n in (128, 64, 32, 16):
         if split_size % n == 0:
             return n

@@ -7,6 +7,10 @@ Shared arithmetic, used verbatim by every kernel so decode and prefill produce t
   ``p = exp2(fma(s, c, -m*c))`` cast to V's dtype, ``acc = dot(p, V, acc*alpha)`` and the row
   sum ``ls = dot(p, ones, ls*alpha)`` -- the sum goes through the tensor cores too, so it has no
   layout-dependent reduction tree. ``c = scale * log2(e)``.
+- ``_split_partial`` (``_t``: transposed): the same when a split is one key block (the default,
+  128 keys): the split's row max, ``p`` as above, ``l = dot(p, ones)`` and ``acc = dot(p, V)``,
+  both products from zero. Decode computes it per (token, kv head, split) program, prefill per
+  tile of queries, block after block.
 - ``_merge``: folds a split partial (m_s, l_s, acc_s) into the running total, splits in ascending
   order, with explicit ``fma``s (no contraction left to the compiler).
 

@@ -17,7 +17,9 @@ from samebits.ops.triton import attention, linear, rms_norm, softmax
 
 @register("cuda", True)
 class TritonBackend:
-    name = "triton-cuda"
+    # part of the numerics fingerprint (prefix-cache keys): "-kb128" since the attention's key
+    # blocks became 128 keys (a 128-key split is one block), which changed the bits
+    name = "triton-cuda-kb128"
     batch_invariant = True
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
