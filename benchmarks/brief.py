@@ -6,8 +6,8 @@ from __future__ import annotations
 import fileinput
 import json
 
-KEYS = ("block_m", "prefill_stages", "prefill_warps", "split_size", "merge_scan", "split_trans",
-        "split_warps", "split_stages", "fused_merge", "merge_warps", "merge_stages", "split_halves")
+KEYS = ("block_m", "prefill_stages", "split_size", "merge_scan", "split_trans", "split_warps",
+        "split_stages", "fused_merge", "merge_warps", "merge_stages")
 
 
 def brief(row: dict) -> str:

@@ -27,7 +27,7 @@ def _ordered_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     acc = d.data.copy()
     for k in range(x.shape[-1]):
         acc = acc + x[..., :, k:k + 1] * y[..., k:k + 1, :]
-    return TensorHandle(acc.astype(out_dtype), d.dtype.scalar)
+    return TensorHandle(acc, d.dtype.scalar)
 
 
 try:

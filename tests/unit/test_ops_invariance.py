@@ -76,13 +76,10 @@ def _stock_bf16_moves_with_batch() -> bool:
     MKL pick kernels by M); on the AMD EPYC machines of 2026-11-22 (torch 2.13 CPU) and on the CPU
     side of the GPU machine's CUDA build it never did, so no bf16 control can fire there. The fp32
     control (MKL's gemv path for one row) is required everywhere."""
-    g = _gen(1)
+    sizes = (1, 2, 3, 4, 8, 16, 17, 32, 63, 64, 65, 128, 129, 200)
     for k, n in LINEAR_SHAPES:
-        x = torch.randn(256, k, generator=g).bfloat16()
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
-        full = torch.nn.functional.linear(x, w)
-        if any(not torch.equal(torch.nn.functional.linear(x[:m], w), full[:m])
-               for m in (1, 2, 3, 4, 8, 16, 17, 32, 63, 64, 65, 128, 129, 200)):
+        x, w, _ = _linear_case(k, n, torch.bfloat16, rows=256, seed=1)
+        if _prefix_mismatches(lambda t, w=w: STD.linear(t, w), x, sizes, first=True):
             return True
     return False
 

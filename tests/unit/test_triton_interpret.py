@@ -2,10 +2,10 @@
 
 Checks the invariance properties the GPU tests check (rows vs M, decode == prefill == chunks,
 batch composition, physical block placement, schedules) and closeness to a torch reference.
-Limits of the interpreter: ``tl.dot`` is a numpy matmul of the whole tile added to the accumulator
-(so on CPU the bits follow BLOCK_K; the tile configs are pinned here -- tile-shape invariance is a
-Hopper property, tested in tests/gpu), and bf16 ``tl.dot`` is wrong there (Triton 3.6 and 3.9), so
-these tests run fp16 and fp32.
+Limits of the interpreter: its ``tl.dot`` is replaced by tests/conftest.py's fixed-order model
+(each element's products added in ascending k), so tile-shape invariance here is a property of
+that model -- on the GPU it is a Hopper property, tested in tests/gpu; and bf16 ``tl.dot`` is
+wrong in the interpreter (Triton 3.6 and 3.9), so these tests run fp16 and fp32.
 """
 
 from __future__ import annotations
@@ -147,10 +147,7 @@ def test_attention_decode_equals_prefill(hq: int, hkv: int, dtype: torch.dtype, 
     cache = Paged([n], hkv, d, dtype)
     q = torch.randn(n, hq, d).to(dtype)
     meta = cache.meta([0], [n], [n], split=split)
-    # fp32 dots go through numpy's BLAS, whose bits follow the tile's row count: pin 16 rows,
-    # the split kernel's, there (on the GPU the tile shape does not matter)
-    block_m = 16 if dtype == torch.float32 else None
-    planned = dataclasses.replace(meta, plan=A.plan(meta, block_m=block_m))
+    planned = dataclasses.replace(meta, plan=A.plan(meta))
     pre = A.attention(q, cache.k, cache.v, planned, d ** -0.5)
     dec = A.attention(q, cache.k, cache.v,
                       cache.meta([0] * n, list(range(1, n + 1)), [1] * n, split=split), d ** -0.5)

@@ -43,7 +43,7 @@ LOG2E = 1.4426950408889634
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
           "fused_merge": False, "split_trans": True, "merge_scan": None,
-          "merge_scan_min_splits": 64, "prefill_warps": None}
+          "merge_scan_min_splits": 64}
 
 
 def key_block(split_size: int) -> int:
@@ -204,6 +204,6 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
         k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
         BLOCK_M=p.block_m, FLAT=p.flat, **_common(q, meta, p),
-        num_warps=LAUNCH["prefill_warps"] or (4 if p.block_m <= 64 else 8),
+        num_warps=4 if p.block_m <= 64 else 8,
         num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
         enable_fp_fusion=False)
