@@ -6,7 +6,7 @@ from __future__ import annotations
 import fileinput
 import json
 
-KEYS = ("block_m", "prefill_stages", "split_size", "merge_scan", "split_trans", "split_warps",
+KEYS = ("prefill_gluon", "block_m", "prefill_stages", "split_size", "merge_scan", "split_trans", "split_warps",
         "split_stages", "fused_merge", "merge_warps", "merge_stages")
 
 

@@ -260,6 +260,8 @@ def bench_prefill(variants: list[dict]) -> None:
         del k, v, kc, vc
         torch.cuda.empty_cache()
     print(json.dumps({"compiled": compiled_info(A._prefill_kernel)}), flush=True)
+    if A._prefill_gluon_kernel is not None:
+        print(json.dumps({"compiled_gluon": compiled_info(A._prefill_gluon_kernel)}), flush=True)
 
 
 def compiled_info(fn) -> list[dict]:
@@ -311,8 +313,8 @@ def main() -> None:
                       for sw, mw, ms in ((4, 1, 12), (4, 4, 12), (4, 1, 24), (8, 2, 12))]
                      if sweep_att else [{}])
     if "prefill" in ops and args.sweep != "split":
-        bench_prefill([{"block_m": bm, "prefill_stages": s} for bm, s in ((128, 3), (128, 4))]
-                      if sweep_att else [{}])
+        bench_prefill([{"prefill_gluon": False, "block_m": 128, "prefill_stages": 3},
+                       {"prefill_gluon": True}] if sweep_att else [{}])
     summary()
 
 

@@ -164,6 +164,31 @@ def test_other_split_and_block_sizes(split: int, bs: int) -> None:
     assert torch.equal(_decode_all(cache, q, 0, pos, split), pre[pos])
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs", [16, 32, 128])
+def test_gluon_prefill_equals_triton_prefill(d: int, dtype: torch.dtype, bs: int) -> None:
+    """The warp-specialized Gluon prefill (Hopper) and the Triton prefill kernel, same plan:
+    whole prompts, chunks starting mid-block, a one-tile sequence, sequences ending mid-page."""
+    if not A._gluon_device(torch.device("cuda")):
+        pytest.skip("the Gluon prefill kernel runs on Hopper (sm_90) only")
+    hq, hkv = 16, 4
+    lens, q_lens = [1100, 300, 129, 2000, 77], [1100, 200, 17, 1000, 77]
+    cache = Paged(lens, hkv, d, dtype, seed=4, bs=bs)
+    meta = cache.meta(list(range(len(lens))), lens, q_lens)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda").to(dtype)
+    p = A.plan(meta, block_m=128)
+    assert A._gluon_fits(q, meta, p)
+    gluon = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
+    A.LAUNCH["prefill_gluon"] = False
+    try:
+        triton_ = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
+    finally:
+        A.LAUNCH["prefill_gluon"] = True
+    bad = (gluon != triton_).flatten(1).any(1).nonzero().flatten().tolist()
+    assert bad == [], f"rows differing: {bad[:10]} of {len(bad)}"
+
+
 def test_sdpa_negative_control() -> None:
     """SDPA (flash) decode vs prefill, and decode at batch 1 vs 8, on contiguous K/V."""
     hq, hkv, d, n = 32, 8, 128, 2048

@@ -37,13 +37,21 @@ from samebits.ops.triton.attention_kernels import (
     _split_kernel,
 )
 
+try:  # Gluon's Hopper API (Triton >= 3.5): the warp-specialized prefill kernel
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from samebits.ops.triton.attention_gluon import _prefill_gluon_kernel
+except ImportError:  # pragma: no cover - older Triton: the Triton prefill kernel everywhere
+    _prefill_gluon_kernel = None
+
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
 # launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
           "fused_merge": False, "split_trans": True, "merge_scan": None,
-          "merge_scan_min_splits": 64}
+          "merge_scan_min_splits": 64, "prefill_gluon": True}
 
 
 def key_block(split_size: int) -> int:
@@ -84,7 +92,8 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
             dec_seq += [b] * n
             dec_pos += range(first, seq_len)
             dec_row += range(qsl[b], qsl[b + 1])
-    auto = 128 if sum(sp[2] for sp in spans) >= 2048 else 64
+    big = sum(sp[2] for sp in spans) >= 2048 or _gluon_device(meta.seq_lens.device)
+    auto = 128 if big else 64
     block_m = block_m or LAUNCH["prefill_block_m"] or auto
     flat = LAUNCH["prefill_flat"] if flat is None else flat
     tiles = [(b, t0 + i, min(block_m, n - i), first + i)
@@ -200,6 +209,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return
     _check(q, k_cache, v_cache)
     hq, hkv, bt = q.shape[1], k_cache.shape[2], meta.block_tables
+    if _gluon_fits(q, meta, p):
+        _prefill_gluon(q, k_cache, v_cache, meta, p, scale, out)
+        return
     _prefill_kernel[(hq, n_tiles)](
         q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
         k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
@@ -207,3 +219,39 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=4 if p.block_m <= 64 else 8,
         num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
         enable_fp_fusion=False)
+
+
+def _gluon_device(dev: torch.device) -> bool:
+    return (LAUNCH["prefill_gluon"] and _prefill_gluon_kernel is not None and dev.type == "cuda"
+            and torch.cuda.get_device_capability(dev) == (9, 0))
+
+
+def _gluon_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:
+    """The Gluon prefill kernel covers the engine's case on Hopper: 16-bit dtypes, head dim 64
+    or 128, one 128-key block per split, 128-query tiles, pages of at most 128 keys."""
+    return (_gluon_device(q.device) and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] in (64, 128)
+            and p.split_size == key_block(p.split_size) == 128 and p.block_m == 128
+            and not p.flat and 128 % meta.block_size == 0 and q.stride(1) == q.shape[-1])
+
+
+def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, p: TritonAttentionPlan, scale: float,
+                   out: torch.Tensor) -> None:
+    """``_prefill_kernel``'s bits through attention_gluon.py: TMA descriptors over q viewed as
+    [T, Hq*D] (tiles of 128 rows) and the caches viewed as [slots, Hkv*D] (one page a box)."""
+    t, hq, d = q.shape
+    bs, hkv = meta.block_size, k_cache.shape[2]
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q2 = q.as_strided((t, hq * d), (q.stride(0), 1))
+    q_desc = TensorDescriptor(q2, [t, hq * d], [q.stride(0), 1], [p.block_m, d],
+                              gl.NVMMASharedLayout.get_default_for([p.block_m, d], dt))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bs, d], dt)
+    k2, v2 = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
+    k_desc = TensorDescriptor(k2, list(k2.shape), [hkv * d, 1], [bs, d], kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), [hkv * d, 1], [bs, d], kv_layout)
+    bt = meta.block_tables
+    _prefill_gluon_kernel[(hq, p.tiles.shape[0])](
+        q_desc, k_desc, v_desc, bt, p.tiles, out, bt.stride(0), out.stride(0), out.stride(1),
+        k2.shape[0], scale * LOG2E, G=hq // hkv, D=d, BS=bs, BLOCK_M=p.block_m, BLOCK_N=128,
+        num_warps=4, enable_fp_fusion=False)

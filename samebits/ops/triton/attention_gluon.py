@@ -1,0 +1,210 @@
+"""Hopper prefill attention in Gluon: ``_prefill_kernel``'s bits with explicit asynchrony.
+
+The arithmetic is attention_kernels.py's, step for step, for the default case of a split that
+is one 128-key block (``SPLIT == BLOCK_N``): per block the split partial (row max m,
+``p = exp2(fma(s, c, -m*c))``, ``l = dot(p, ones)``, ``acc = dot(p, V)``, both products from
+zero) and ``_merge`` into the running (M, L, ACC), blocks in ascending order. What differs is
+only the schedule, which never changes the bits:
+
+- K and V arrive by TMA, one 16-key page at a time through the block table, into a two-deep
+  ring of shared-memory buffers (K of block j+3 and V of block j+2 are in flight while block j
+  is reduced); pages past the sequence are read out of bounds, i.e. as zeros.
+- the MMAs are asynchronous: ``S_{j+1} = Q K_{j+1}^T`` runs on the tensor cores while block
+  j's partial is merged in registers.
+
+Invariance is the Triton kernel's: a query's output depends on q, its position p and K/V of
+positions [0, p] only (each MMA row is its own query; rows past the tile's count are never
+stored). tests/gpu/test_attention_bits.py checks it bit for bit against the decode kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _load_block(desc, smem, bar, bt_row, jb, max_p, num_slots, col, pred,
+                BS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA of keys [jb*BLOCK_N, +BLOCK_N) of one head into ``smem``, page by page; keys past
+    ``max_p`` come from row ``num_slots`` (out of bounds: zeros). Completes on ``bar``."""
+    ROWS: gl.constexpr = BS if BS < BLOCK_N else BLOCK_N
+    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8,
+                    pred=pred)
+    for i in gl.static_range(BLOCK_N // ROWS):
+        key0 = jb * BLOCK_N + i * ROWS
+        valid = pred & (key0 <= max_p)
+        page = gl.load(bt_row + key0 // BS, mask=valid, other=0)
+        slot = gl.where(valid, page * BS + key0 % BS, num_slots)
+        tma.async_copy_global_to_shared(desc, [slot, col], bar, smem.slice(i * ROWS, ROWS),
+                                        pred=pred)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
+              v_empty, bt_row, t0, q_col, col, max_p, n_blocks, num_slots):
+    """The load warp: Q once, then K and V of every block into the two-deep rings, each buffer
+    refilled once both consumers have released it."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BS: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [t0, q_col], q_bar, q_smem)
+    for jb in range(0, n_blocks):
+        buf = jb % 2
+        phase = (jb // 2 - 1) & 1
+        mbarrier.wait(k_empty.index(buf), phase, pred=jb >= 2)
+        _load_block(k_desc, k_smem.index(buf), k_full.index(buf), bt_row, jb, max_p, num_slots,
+                    col, True, BS, BLOCK_N)
+        mbarrier.wait(v_empty.index(buf), phase, pred=jb >= 2)
+        _load_block(v_desc, v_smem.index(buf), v_full.index(buf), bt_row, jb, max_p, num_slots,
+                    col, True, BS, BLOCK_N)
+
+
+@gluon.jit
+def _step(s, M, L, ACC, j, q, k_smem, v_smem, ones_smem, k_full, k_empty, v_full, v_empty,
+          n_blocks, row_pos, c, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+          S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr):
+    """Block j: its split partial from the scores s (ready), merged into (M, L, ACC), while the
+    scores of block j+1 are computed (garbage past the last block, never used)."""
+    buf = j % 2
+    if MASKED:
+        key_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        s = gl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
+    m = gl.max(s, 1)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    p = gl.exp2(gl.fma(s, c, -(m_safe * c)[:, None])).to(v_smem.dtype)
+    p_o = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    p_l = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=L_LAYOUT, k_width=2))
+    mbarrier.wait(v_full.index(buf), (j // 2) & 1)
+    pv = warpgroup_mma(p_o, v_smem.index(buf), gl.zeros(ACC.shape, gl.float32, O_LAYOUT),
+                       use_acc=False, is_async=True)
+    l16 = warpgroup_mma(p_l, ones_smem, gl.zeros([ACC.shape[0], 16], gl.float32, L_LAYOUT),
+                        use_acc=False, is_async=True)
+    pv, l16, p_o, p_l = warpgroup_mma_wait(0, deps=(pv, l16, p_o, p_l))
+    mbarrier.arrive(v_empty.index(buf))
+    more = j + 1 < n_blocks
+    mbarrier.wait(k_full.index(1 - buf), ((j + 1) // 2) & 1, pred=more)
+    s_next = warpgroup_mma(q, k_smem.index(1 - buf).permute((1, 0)),
+                           gl.zeros(s.shape, gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+    m_o = gl.convert_layout(m, gl.SliceLayout(1, O_LAYOUT))
+    l_s = gl.convert_layout(gl.max(l16, 1), gl.SliceLayout(1, O_LAYOUT))
+    m_new = gl.maximum(M, m_o)
+    a1 = gl.exp2((M - m_new) * c)
+    a2 = gl.exp2((m_o - m_new) * c)
+    L = gl.fma(L, a1, l_s * a2)
+    ACC = gl.fma(ACC, a1[:, None], pv * a2[:, None])
+    s_next = warpgroup_mma_wait(0, deps=(s_next, ))
+    mbarrier.arrive(k_empty.index(1 - buf), pred=more)
+    return s_next, m_new, L, ACC
+
+
+@gluon.jit
+def _consumer(ROW0: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty,
+              v_full, v_empty, out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c):
+    """One warpgroup: queries ROW0..ROW0+HALF of the tile, every block in order."""
+    HALF: gl.constexpr = q_smem.shape[0] // 2
+    D: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, D, 16])
+    L_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 16, 16])
+    q = q_smem.slice(ROW0, HALF)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_full.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                      gl.zeros([HALF, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0))
+    r = gl.minimum(ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, S_LAYOUT)), n - 1)
+    row_pos = p0 + r  # pad rows repeat the last query's position
+    M = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, O_LAYOUT))
+    L = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, O_LAYOUT))
+    ACC = gl.zeros([HALF, D], gl.float32, O_LAYOUT)
+    for j in range(0, k_mid):
+        s, M, L, ACC = _step(s, M, L, ACC, j, q, k_smem, v_smem, ones_smem, k_full, k_empty,
+                             v_full, v_empty, n_blocks, row_pos, c, False, BLOCK_N, S_LAYOUT,
+                             O_LAYOUT, L_LAYOUT)
+    for j in range(k_mid, n_blocks):
+        s, M, L, ACC = _step(s, M, L, ACC, j, q, k_smem, v_smem, ones_smem, k_full, k_empty,
+                             v_full, v_empty, n_blocks, row_pos, c, True, BLOCK_N, S_LAYOUT,
+                             O_LAYOUT, L_LAYOUT)
+    out = ACC / L[:, None]
+    rows = ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_LAYOUT))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
+    ptrs = out_ptr + (t0 + rows).to(gl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+@gluon.jit
+def _consumer_lo(q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_full, v_empty,
+                 out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c):
+    _consumer(0, q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_full, v_empty,
+              out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c)
+
+
+@gluon.jit
+def _consumer_hi(q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_full, v_empty,
+                 out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c):
+    _consumer(q_smem.shape[0] // 2, q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty,
+              v_full, v_empty, out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c)
+
+
+@gluon.jit
+def _prefill_gluon_kernel(q_desc, k_desc, v_desc, bt_ptr, tiles_ptr, out_ptr, stride_bt,
+                          stride_ot, stride_oh, num_slots, c, G: gl.constexpr, D: gl.constexpr,
+                          BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Causal attention of up to BLOCK_M consecutive queries of one sequence for query head
+    ``program_id(0)``; tile ``program_id(1)`` = (seq, first row, count, first position).
+    Two consumer warpgroups (BLOCK_M/2 rows each) and one load warp."""
+    dtype: gl.constexpr = q_desc.dtype
+    hq = gl.program_id(0)
+    tile = gl.program_id(1)
+    b = gl.load(tiles_ptr + tile * 4).to(gl.int64)
+    t0 = gl.load(tiles_ptr + tile * 4 + 1)
+    n = gl.load(tiles_ptr + tile * 4 + 2)
+    p0 = gl.load(tiles_ptr + tile * 4 + 3)
+    max_p = p0 + n - 1
+    n_blocks = max_p // BLOCK_N + 1
+    k_mid = (p0 + 1) // BLOCK_N  # blocks before this one are wholly visible to every row
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], v_desc.layout)
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16], dtype)
+    fill: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])
+    ones_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 16], ones_layout,
+                                          gl.full([BLOCK_N, 16], 1.0, dtype, fill))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    common = (q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_full, v_empty,
+              out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c)
+    gl.warp_specialize([
+        (_consumer_lo, common),
+        (_consumer_hi, common),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
+                     v_full, v_empty, bt_ptr + b * stride_bt, t0, hq * D, (hq // G) * D, max_p,
+                     n_blocks, num_slots)),
+    ], [4, 1], [240, 32])
