@@ -6,8 +6,8 @@ from __future__ import annotations
 import fileinput
 import json
 
-KEYS = ("prefill_gluon", "block_m", "prefill_stages", "split_size", "merge_scan", "split_trans", "split_warps",
-        "split_stages", "fused_merge", "merge_warps", "merge_stages")
+KEYS = ("prefill_gluon", "block_m", "prefill_stages", "split_size", "merge_scan", "split_trans",
+        "split_warps", "split_stages", "fused_merge", "merge_warps", "merge_stages")
 
 
 def brief(row: dict) -> str:
@@ -15,6 +15,7 @@ def brief(row: dict) -> str:
     knobs = {k: launch.get(k, row.get(k)) for k in KEYS if launch.get(k, row.get(k)) is not None}
     shape = ",".join(f"{k}={v}" for k, v in row.get("shape", {}).items() if k not in ("hq", "hkv"))
     extra = f" tflops={row['tflops']}" if "tflops" in row else ""
+    extra += f" kernels={row['kernels_us']}" if "kernels_us" in row else ""
     return (f"{row['op']:18s} {shape:28s} {row['invariant_us']:>10} / {row['stock_us']:>10}"
             f" = {row['ratio']:.3f}{extra} {knobs}")
 

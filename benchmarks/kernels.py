@@ -66,6 +66,22 @@ def host_us(fn, *args, n: int = 200, **kwargs) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def kernel_us(fn, *args, n: int = 20, **kwargs) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel fn launches (torch.profiler; L2 warm,
+    so a breakdown, not a figure to report)."""
+    fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            out[e.key[:40]] = round(e.device_time_total / n, 2)
+    return out
+
+
 def emit(op: str, shape: dict, dtype: str, inv: float, stock: float, **extra) -> None:
     row = {"op": op, "shape": shape, "dtype": dtype, "invariant_us": round(inv, 2),
            "stock_us": round(stock, 2), "ratio": round(inv / stock, 3), **extra}
@@ -210,7 +226,10 @@ def bench_decode(variants: list[dict]) -> None:
                      max_abs_err=err, launch=dict(A.LAUNCH), split_size=split,
                      standard_paged_us=std_us,
                      standard_split=std_meta.plan.split_size,
-                     invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1))
+                     invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1),
+                     kernels_us=kernel_us(A.attention, q, kc, vc, meta, scale),
+                     stock_kernels_us=kernel_us(F.scaled_dot_product_attention, q4, k, v,
+                                                scale=scale, enable_gqa=True))
             del k, v, kc, vc
             torch.cuda.empty_cache()
 
@@ -309,8 +328,9 @@ def main() -> None:
         if "prefill" in ops:
             bench_prefill([{"split_size": s} for s in (128, 256, 512)])
     elif "decode" in ops:
-        bench_decode([{"split_warps": sw, "merge_warps": mw, "merge_stages": ms}
-                      for sw, mw, ms in ((4, 1, 12), (4, 4, 12), (4, 1, 24), (8, 2, 12))]
+        base = {"split_warps": 4, "split_stages": 2, "split_trans": True, "fused_merge": False}
+        bench_decode([base, {**base, "fused_merge": True}, {**base, "split_trans": False},
+                      {**base, "split_stages": 3}, {**base, "split_warps": 8}]
                      if sweep_att else [{}])
     if "prefill" in ops and args.sweep != "split":
         bench_prefill([{"prefill_gluon": False, "block_m": 128, "prefill_stages": 3},

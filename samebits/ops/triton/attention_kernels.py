@@ -371,12 +371,13 @@ def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, str
     tl.store(part_a + (base + k) * 2 + 1, tl.exp2((m_s - m_run) * c), mask=live)
     tl.debug_barrier()  # every thread's a1/a2 stored before any thread reads them
     d = tl.arange(0, D)
-    L = tl.zeros([1], tl.float32)
+    lane = tl.zeros([D], tl.int32)  # every lane loads the split's scalars: tensor loads pipeline
+    L = tl.zeros([D], tl.float32)  # the same sum in every lane
     ACC = tl.zeros([D], tl.float32)
     for s in tl.range(0, n_splits, num_stages=STAGES):
-        a1 = tl.load(part_a + (base + s) * 2)
-        a2 = tl.load(part_a + (base + s) * 2 + 1)
-        l_s = tl.load(part_ml + (base + s) * 2 + 1, cache_modifier=".cg")
+        a1 = tl.load(part_a + (base + s) * 2 + lane)
+        a2 = tl.load(part_a + (base + s) * 2 + 1 + lane)
+        l_s = tl.load(part_ml + (base + s) * 2 + 1 + lane, cache_modifier=".cg")
         acc_s = tl.load(part_acc + (base + s) * D + d, cache_modifier=".cg")
         L = tl.fma(L, a1, l_s * a2)
         ACC = tl.fma(ACC, a1, acc_s * a2)
