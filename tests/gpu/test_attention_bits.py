@@ -189,6 +189,29 @@ def test_gluon_prefill_equals_triton_prefill(d: int, dtype: torch.dtype, bs: int
     assert bad == [], f"rows differing: {bad[:10]} of {len(bad)}"
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 64), (16, 2, 128), (64, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs", [16, 64])
+def test_gluon_decode_equals_triton_decode(hq: int, hkv: int, d: int, dtype: torch.dtype,
+                                           bs: int) -> None:
+    """The Gluon split kernel (Hopper) and the Triton split kernel (transposed products): the
+    same partials, so the same outputs, at positions around page and split boundaries."""
+    if not A._gluon_device(torch.device("cuda")):
+        pytest.skip("the Gluon split kernel runs on Hopper (sm_90) only")
+    n = 700
+    cache = Paged([n], hkv, d, dtype, seed=6, bs=bs)
+    q = torch.randn(n, hq, d, device="cuda").to(dtype)
+    pos = [0, 1, 15, 16, 17, 126, 127, 128, 129, 255, 256, 300, 511, 512, 640, n - 1]
+    gluon = _decode_all(cache, q, 0, pos)
+    A.LAUNCH["decode_gluon"] = False
+    try:
+        triton_ = _decode_all(cache, q, 0, pos)
+    finally:
+        A.LAUNCH["decode_gluon"] = True
+    bad = [p for i, p in enumerate(pos) if not torch.equal(gluon[i], triton_[i])]
+    assert bad == [], f"positions differing: {bad}"
+
+
 def test_sdpa_negative_control() -> None:
     """SDPA (flash) decode vs prefill, and decode at batch 1 vs 8, on contiguous K/V."""
     hq, hkv, d, n = 32, 8, 128, 2048

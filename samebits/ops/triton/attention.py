@@ -41,9 +41,9 @@ try:  # Gluon's Hopper API (Triton >= 3.5): the warp-specialized prefill kernel
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from samebits.ops.triton.attention_gluon import _prefill_gluon_kernel
-except ImportError:  # pragma: no cover - older Triton: the Triton prefill kernel everywhere
-    _prefill_gluon_kernel = None
+    from samebits.ops.triton.attention_gluon import _prefill_gluon_kernel, _split_gluon_kernel
+except ImportError:  # pragma: no cover - older Triton: the Triton kernels everywhere
+    _prefill_gluon_kernel = _split_gluon_kernel = None
 
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
@@ -51,7 +51,8 @@ LOG2E = 1.4426950408889634
 LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
           "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
           "fused_merge": False, "split_trans": True, "merge_scan": None,
-          "merge_scan_min_splits": 64, "prefill_gluon": True}
+          "merge_scan_min_splits": 64, "prefill_gluon": True,
+          "decode_gluon": True}
 
 
 def key_block(split_size: int) -> int:
@@ -173,14 +174,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     fused = LAUNCH["fused_merge"]  # off: measured no faster on the H200 (NOTES-kernels.md)
     stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
     counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
-    _split_kernel[(n_dec, hkv, p.dec_max_splits)](
-        q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
-        counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
-        hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c, G=hq // hkv,
-        ROWS=max(16, triton.next_power_of_2(hq // hkv)), **_common(q, meta, p), FUSED=fused,
-        STAGES=stages, TRANS=LAUNCH["split_trans"],
-        num_warps=LAUNCH["split_warps"], num_stages=LAUNCH["split_stages"],
-        enable_fp_fusion=False)
+    rows = max(16, triton.next_power_of_2(hq // hkv))
+    if _gluon_decode_fits(q, meta, p, hq // hkv):
+        k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size, q.dtype)
+        _split_gluon_kernel[(n_dec, hkv, p.dec_max_splits)](
+            q, k_desc, v_desc, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
+            q.stride(0), q.stride(1), bt.stride(0), hq * p.dec_max_splits, p.dec_max_splits,
+            k_cache.shape[0] * meta.block_size, c, G=hq // hkv, ROWS=rows, D=d, BLOCK_N=128,
+            num_warps=4, enable_fp_fusion=False)
+    else:
+        _split_kernel[(n_dec, hkv, p.dec_max_splits)](
+            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
+            counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
+            hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c,
+            G=hq // hkv, ROWS=rows, **_common(q, meta, p), FUSED=fused, STAGES=stages,
+            TRANS=LAUNCH["split_trans"], num_warps=LAUNCH["split_warps"],
+            num_stages=LAUNCH["split_stages"], enable_fp_fusion=False)
     scan = LAUNCH["merge_scan"]
     if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
         scan = p.dec_max_splits >= LAUNCH["merge_scan_min_splits"]
@@ -229,29 +238,48 @@ def _gluon_device(dev: torch.device) -> bool:
 def _gluon_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:
     """The Gluon prefill kernel covers the engine's case on Hopper: 16-bit dtypes, head dim 64
     or 128, one 128-key block per split, 128-query tiles, pages of at most 128 keys."""
+    return (_gluon_common(q, meta, p) and p.block_m == 128 and not p.flat
+            and q.stride(1) == q.shape[-1])
+
+
+def _gluon_decode_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan,
+                       g: int) -> bool:
+    """The Gluon split kernel: the same case (up to 64 query heads per kv head), for the
+    transposed unfused split schedule."""
+    return (LAUNCH["decode_gluon"] and LAUNCH["split_trans"] and not LAUNCH["fused_merge"]
+            and _gluon_common(q, meta, p) and g <= 64)
+
+
+def _gluon_common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:
     return (_gluon_device(q.device) and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] in (64, 128)
-            and p.split_size == key_block(p.split_size) == 128 and p.block_m == 128
-            and not p.flat and 128 % meta.block_size == 0 and q.stride(1) == q.shape[-1])
+            and q.shape[-1] in (64, 128) and p.split_size == key_block(p.split_size) == 128
+            and 128 % meta.block_size == 0)
+
+
+def _kv_descs(k_cache: torch.Tensor, v_cache: torch.Tensor, bs: int, dtype: torch.dtype):
+    """TMA descriptors over the caches viewed as [slots, Hkv*D], one page of one head a box."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [bs, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    k2, v2 = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
+    return (TensorDescriptor(k2, list(k2.shape), [hkv * d, 1], [bs, d], layout),
+            TensorDescriptor(v2, list(v2.shape), [hkv * d, 1], [bs, d], layout))
 
 
 def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, p: TritonAttentionPlan, scale: float,
                    out: torch.Tensor) -> None:
-    """``_prefill_kernel``'s bits through attention_gluon.py: TMA descriptors over q viewed as
-    [T, Hq*D] (tiles of 128 rows) and the caches viewed as [slots, Hkv*D] (one page a box)."""
+    """``_prefill_kernel``'s bits through attention_gluon.py: a TMA descriptor over q viewed as
+    [T, Hq*D] (tiles of 128 rows) and ``_kv_descs``."""
     t, hq, d = q.shape
-    bs, hkv = meta.block_size, k_cache.shape[2]
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q2 = q.as_strided((t, hq * d), (q.stride(0), 1))
     q_desc = TensorDescriptor(q2, [t, hq * d], [q.stride(0), 1], [p.block_m, d],
                               gl.NVMMASharedLayout.get_default_for([p.block_m, d], dt))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bs, d], dt)
-    k2, v2 = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    k_desc = TensorDescriptor(k2, list(k2.shape), [hkv * d, 1], [bs, d], kv_layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), [hkv * d, 1], [bs, d], kv_layout)
-    bt = meta.block_tables
+    k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size, q.dtype)
+    bt, hkv = meta.block_tables, k_cache.shape[2]
     _prefill_gluon_kernel[(hq, p.tiles.shape[0])](
         q_desc, k_desc, v_desc, bt, p.tiles, out, bt.stride(0), out.stride(0), out.stride(1),
-        k2.shape[0], scale * LOG2E, G=hq // hkv, D=d, BS=bs, BLOCK_M=p.block_m, BLOCK_N=128,
-        num_warps=4, enable_fp_fusion=False)
+        k_cache.shape[0] * meta.block_size, scale * LOG2E, G=hq // hkv, D=d,
+        BS=meta.block_size, BLOCK_M=p.block_m, BLOCK_N=128, num_warps=4,
+        enable_fp_fusion=False)

@@ -208,3 +208,74 @@ def _prefill_gluon_kernel(q_desc, k_desc, v_desc, bt_ptr, tiles_ptr, out_ptr, st
                      v_full, v_empty, bt_ptr + b * stride_bt, t0, hq * D, (hq // G) * D, max_p,
                      n_blocks, num_slots)),
     ], [4, 1], [240, 32])
+
+
+@gluon.jit
+def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc,
+                        part_ml, stride_qt, stride_qh, stride_bt, stride_pt, stride_ph,
+                        num_slots, c, G: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
+                        BLOCK_N: gl.constexpr):
+    """``_split_kernel``'s partial (TRANS products, a split of one BLOCK_N-key block) for the G
+    query heads of token ``program_id(0)``, kv head ``program_id(1)``, split ``program_id(2)``:
+    K and V arrive by TMA page by page while q is staged, ``sT = K q^T``, ``accT = V^T p^T``
+    and ``lsT = ones p^T`` on the tensor cores, the elementwise steps ``_split_partial_t``'s."""
+    j = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    pos = gl.load(pos_ptr + j)
+    k_lo = split * BLOCK_N
+    if k_lo > pos:
+        return
+    dtype: gl.constexpr = k_desc.dtype
+    b = gl.load(seq_ptr + j).to(gl.int64)
+    t = gl.load(row_ptr + j).to(gl.int64)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    mbarrier.init(bar.index(1), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    bt_row = bt_ptr + b * stride_bt
+    _load_block(k_desc, k_smem, bar.index(0), bt_row, split, pos, num_slots, h * D, True,
+                k_desc.block_type.shape[0], BLOCK_N)
+    _load_block(v_desc, v_smem, bar.index(1), bt_row, split, pos, num_slots, h * D, True,
+                k_desc.block_type.shape[0], BLOCK_N)
+
+    fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    g = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill)), G - 1)
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, fill))
+    q = gl.load(q_ptr + t * stride_qt + (h * G + g)[:, None] * stride_qh + dq[None, :])
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype), q)
+    ones_smem = gl.allocate_shared_memory(
+        dtype, [64, BLOCK_N], gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype),
+        gl.full([64, BLOCK_N], 1.0, dtype, fill))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, ROWS, 16])
+    mbarrier.wait(bar.index(0), 0)
+    sT = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([BLOCK_N, ROWS], gl.float32, MMA),
+                       use_acc=False)
+    key_pos = k_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    sT = gl.where(key_pos[:, None] <= pos, sT, float("-inf"))
+    m = gl.max(sT, 0)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    pT = gl.exp2(gl.fma(sT, c, -(m_safe * c)[None, :])).to(dtype)
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, ROWS], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWS], dtype), pT)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.wait(bar.index(1), 0)
+    accT = warpgroup_mma(v_smem.permute((1, 0)), p_smem, gl.zeros([D, ROWS], gl.float32, MMA),
+                         use_acc=False)
+    lsT = warpgroup_mma(ones_smem, p_smem, gl.zeros([64, ROWS], gl.float32, MMA), use_acc=False)
+
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    base = j.to(gl.int64) * stride_pt + (h * G + rows) * stride_ph + split
+    d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    gl.store(part_acc + base[None, :] * D + d[:, None], accT, mask=(rows < G)[None, :])
+    gl.store(part_ml + base * 2 + 1, gl.max(lsT, 0), mask=rows < G)
+    gl.store(part_ml + base * 2, m, mask=rows < G)

@@ -346,6 +346,18 @@ def _max_fn(a, b):
 
 
 @triton.jit
+def _scan_terms(part_acc, part_ml, part_a, row, d, D: tl.constexpr):
+    """Split ``row``'s fold terms for ``_merge``: a1, acc_s * a2 and l_s * a2 (the products
+    ``_merge`` forms before its fmas)."""
+    one = tl.arange(0, 1)  # [1]-shaped: tensor loads, which the loop pipelines
+    a1 = tl.load(part_a + row * 2 + one)
+    a2 = tl.load(part_a + row * 2 + 1 + one)
+    l_s = tl.load(part_ml + row * 2 + 1 + one, cache_modifier=".cg")
+    acc_s = tl.load(part_acc + row * D + d, cache_modifier=".cg")
+    return a1, acc_s * a2, l_s * a2
+
+
+@triton.jit
 def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, stride_pt,
                        stride_ph, stride_ot, stride_oh, c, D: tl.constexpr, SPLIT: tl.constexpr,
                        NS: tl.constexpr, STAGES: tl.constexpr):
@@ -371,14 +383,18 @@ def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, str
     tl.store(part_a + (base + k) * 2 + 1, tl.exp2((m_s - m_run) * c), mask=live)
     tl.debug_barrier()  # every thread's a1/a2 stored before any thread reads them
     d = tl.arange(0, D)
-    lane = tl.zeros([D], tl.int32)  # every lane loads the split's scalars: tensor loads pipeline
-    L = tl.zeros([D], tl.float32)  # the same sum in every lane
+    L = tl.zeros([1], tl.float32)
     ACC = tl.zeros([D], tl.float32)
-    for s in tl.range(0, n_splits, num_stages=STAGES):
-        a1 = tl.load(part_a + (base + s) * 2 + lane)
-        a2 = tl.load(part_a + (base + s) * 2 + 1 + lane)
-        l_s = tl.load(part_ml + (base + s) * 2 + 1 + lane, cache_modifier=".cg")
-        acc_s = tl.load(part_acc + (base + s) * D + d, cache_modifier=".cg")
-        L = tl.fma(L, a1, l_s * a2)
-        ACC = tl.fma(ACC, a1, acc_s * a2)
+    n_four = n_splits // 4 * 4
+    for s in tl.range(0, n_four, 4, num_stages=STAGES):  # 4 splits' loads, then 4 folds
+        a1_0, b_0, lb_0 = _scan_terms(part_acc, part_ml, part_a, base + s, d, D)
+        a1_1, b_1, lb_1 = _scan_terms(part_acc, part_ml, part_a, base + s + 1, d, D)
+        a1_2, b_2, lb_2 = _scan_terms(part_acc, part_ml, part_a, base + s + 2, d, D)
+        a1_3, b_3, lb_3 = _scan_terms(part_acc, part_ml, part_a, base + s + 3, d, D)
+        L = tl.fma(tl.fma(tl.fma(tl.fma(L, a1_0, lb_0), a1_1, lb_1), a1_2, lb_2), a1_3, lb_3)
+        ACC = tl.fma(tl.fma(tl.fma(tl.fma(ACC, a1_0, b_0), a1_1, b_1), a1_2, b_2), a1_3, b_3)
+    for s in range(n_four, n_splits):
+        a1, b, lb = _scan_terms(part_acc, part_ml, part_a, base + s, d, D)
+        L = tl.fma(L, a1, lb)
+        ACC = tl.fma(ACC, a1, b)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (ACC / L).to(out_ptr.dtype.element_ty))
