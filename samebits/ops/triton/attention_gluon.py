@@ -264,14 +264,18 @@ def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr
     m = gl.max(sT, 0)
     m_safe = gl.where(m == float("-inf"), 0.0, m)
     pT = gl.exp2(gl.fma(sT, c, -(m_safe * c)[None, :])).to(dtype)
+    # p is stored keys-contiguous ([ROWS, BLOCK_N], like q) and read through a transposed view:
+    # a [BLOCK_N, ROWS] buffer with ROWS contiguous gave wrong products past key 64 (Triton 3.6)
     p_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, ROWS], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWS], dtype), pT)
+        dtype, [ROWS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype),
+        gl.permute(pT, [1, 0]))
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.wait(bar.index(1), 0)
-    accT = warpgroup_mma(v_smem.permute((1, 0)), p_smem, gl.zeros([D, ROWS], gl.float32, MMA),
-                         use_acc=False)
-    lsT = warpgroup_mma(ones_smem, p_smem, gl.zeros([64, ROWS], gl.float32, MMA), use_acc=False)
+    accT = warpgroup_mma(v_smem.permute((1, 0)), p_smem.permute((1, 0)),
+                         gl.zeros([D, ROWS], gl.float32, MMA), use_acc=False)
+    lsT = warpgroup_mma(ones_smem, p_smem.permute((1, 0)), gl.zeros([64, ROWS], gl.float32, MMA),
+                        use_acc=False)
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     base = j.to(gl.int64) * stride_pt + (h * G + rows) * stride_ph + split
