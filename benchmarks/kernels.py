@@ -329,9 +329,10 @@ def main() -> None:
             bench_prefill([{"split_size": s} for s in (128, 256, 512)])
     elif "decode" in ops:
         base = {"split_warps": 4, "split_stages": 2, "split_trans": True, "fused_merge": False}
-        bench_decode([{**base, "decode_gluon": False}, {**base, "split_warps": 8,
-                                                        "decode_gluon": False},
-                      {**base, "decode_gluon": True}] if sweep_att else [{}])
+        bench_decode([{**base, "decode_gluon": False}, {**base, "decode_gluon": True},
+                      {**base, "decode_gluon": True, "merge_warps": 4},
+                      {**base, "decode_gluon": True, "merge_warps": 2, "merge_stages": 24}]
+                     if sweep_att else [{}])
     if "prefill" in ops and args.sweep != "split":
         bench_prefill([{"prefill_gluon": False, "block_m": 128, "prefill_stages": 3},
                        {"prefill_gluon": True}] if sweep_att else [{}])
