@@ -36,6 +36,7 @@ from samebits.ops.triton import softmax as SM
 LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
 LINEAR_MS = [1, 8, 32, 128, 512, 2048, 8192]
 ROWS: list[dict] = []
+LAUNCH0 = dict(A.LAUNCH)  # every variant starts from the engine's launch parameters
 
 
 def us(fn, *args, rep: int = 100, graph: bool = True, **kwargs) -> float:
@@ -217,7 +218,7 @@ def bench_decode(variants: list[dict]) -> None:
                 var = dict(var)
                 split = var.pop("split_size", EngineConfig.attention_split_size)
                 meta = A.plan_attention(dataclasses.replace(meta, split_size=split, plan=None))
-                A.LAUNCH.update(var)
+                A.LAUNCH.update({**LAUNCH0, **var})
                 out = A.attention(q, kc, vc, meta, scale)
                 err = (out.float() - ref[:, :, 0].float()).abs().max().item()
                 t = us(A.attention, q, kc, vc, meta, scale)
@@ -263,7 +264,7 @@ def bench_prefill(variants: list[dict]) -> None:
             var = dict(var)
             block_m, flat = var.pop("block_m", None), var.pop("flat", None)
             split = var.pop("split_size", EngineConfig.attention_split_size)
-            A.LAUNCH.update(var)
+            A.LAUNCH.update({**LAUNCH0, **var})
             split_meta = dataclasses.replace(base, split_size=split)
             meta = dataclasses.replace(split_meta, plan=A.plan(split_meta, block_m=block_m,
                                                                flat=flat))
