@@ -17,6 +17,10 @@ Two schedules produce those bits (attention_kernels.py holds the shared arithmet
 - *prefill*: one program per (tile of up to ``block_m`` queries, query head) walks the splits in
   order and merges them in registers. Used for sequences with ``PREFILL_MIN_QUERIES`` or more.
 
+On Hopper (sm_90, 16-bit, head dim 64/128, split 128) both schedules run as Gluon kernels
+(attention_gluon.py: TMA page loads, asynchronous wgmma, a warp-specialized prefill) that
+reproduce these bits; ``LAUNCH["prefill_gluon"]`` / ``["decode_gluon"]`` switch them off.
+
 ``plan_attention`` builds the index tensors of both once per forward. The kernels are compiled
 with ``enable_fp_fusion=False``: no multiply-add is contracted behind our back, so the only fmas
 are the explicit ``tl.fma`` of the shared arithmetic, whichever kernel runs it.

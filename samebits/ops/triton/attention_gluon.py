@@ -1,4 +1,5 @@
-"""Hopper prefill attention in Gluon: ``_prefill_kernel``'s bits with explicit asynchrony.
+"""Hopper attention in Gluon: ``_prefill_kernel``'s and ``_split_kernel``'s bits with explicit
+asynchrony (prefill: ``_prefill_gluon_kernel``; decode's split partials: ``_split_gluon_kernel``).
 
 The arithmetic is attention_kernels.py's, step for step, for the default case of a split that
 is one 128-key block (``SPLIT == BLOCK_N``): per block the split partial (row max m,
