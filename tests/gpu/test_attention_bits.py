@@ -202,6 +202,8 @@ def test_gluon_decode_equals_triton_decode(hq: int, hkv: int, d: int, dtype: tor
     cache = Paged([n], hkv, d, dtype, seed=6, bs=bs)
     q = torch.randn(n, hq, d, device="cuda").to(dtype)
     pos = [0, 1, 15, 16, 17, 126, 127, 128, 129, 255, 256, 300, 511, 512, 640, n - 1]
+    assert A._gluon_decode_fits(q, cache.meta([0], [n], [1]), A.plan(cache.meta([0], [n], [1])),
+                                hq // hkv)
     gluon = _decode_all(cache, q, 0, pos)
     A.LAUNCH["decode_gluon"] = False
     try:

@@ -29,6 +29,7 @@ are the explicit ``tl.fma`` of the shared arithmetic, whichever kernel runs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -97,7 +98,8 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
             dec_seq += [b] * n
             dec_pos += range(first, seq_len)
             dec_row += range(qsl[b], qsl[b + 1])
-    big = sum(sp[2] for sp in spans) >= 2048 or _gluon_device(meta.seq_lens.device)
+    big = (sum(sp[2] for sp in spans) >= 2048
+           or LAUNCH["prefill_gluon"] and _gluon_device(meta.seq_lens.device))
     auto = 128 if big else 64
     block_m = block_m or LAUNCH["prefill_block_m"] or auto
     flat = LAUNCH["prefill_flat"] if flat is None else flat
@@ -180,7 +182,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
     rows = max(16, triton.next_power_of_2(hq // hkv))
     if _gluon_decode_fits(q, meta, p, hq // hkv):
-        k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size, q.dtype)
+        k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size)
         _split_gluon_kernel[(n_dec, hkv, p.dec_max_splits)](
             q, k_desc, v_desc, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
             q.stride(0), q.stride(1), bt.stride(0), hq * p.dec_max_splits, p.dec_max_splits,
@@ -221,10 +223,10 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not n_tiles:
         return
     _check(q, k_cache, v_cache)
-    hq, hkv, bt = q.shape[1], k_cache.shape[2], meta.block_tables
     if _gluon_fits(q, meta, p):
         _prefill_gluon(q, k_cache, v_cache, meta, p, scale, out)
         return
+    hq, hkv, bt = q.shape[1], k_cache.shape[2], meta.block_tables
     _prefill_kernel[(hq, n_tiles)](
         q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
         k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
@@ -235,15 +237,20 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _gluon_device(dev: torch.device) -> bool:
-    return (LAUNCH["prefill_gluon"] and _prefill_gluon_kernel is not None and dev.type == "cuda"
-            and torch.cuda.get_device_capability(dev) == (9, 0))
+    """Gluon's Hopper kernels can run on ``dev`` (the choice of kernel never changes the bits)."""
+    return _prefill_gluon_kernel is not None and dev.type == "cuda" and _is_sm90(dev.index)
+
+
+@functools.cache
+def _is_sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _gluon_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:
     """The Gluon prefill kernel covers the engine's case on Hopper: 16-bit dtypes, head dim 64
     or 128, one 128-key block per split, 128-query tiles, pages of at most 128 keys."""
-    return (_gluon_common(q, meta, p) and p.block_m == 128 and not p.flat
-            and q.stride(1) == q.shape[-1])
+    return (LAUNCH["prefill_gluon"] and _gluon_common(q, meta, p) and p.block_m == 128
+            and not p.flat and q.stride(1) == q.shape[-1])
 
 
 def _gluon_decode_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan,
@@ -260,14 +267,18 @@ def _gluon_common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPl
             and 128 % meta.block_size == 0)
 
 
-def _kv_descs(k_cache: torch.Tensor, v_cache: torch.Tensor, bs: int, dtype: torch.dtype):
+def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """TMA descriptor over a 16-bit 2-D view x (rows of stride x.stride(0)), boxes ``block``."""
+    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, dt))
+
+
+def _kv_descs(k_cache: torch.Tensor, v_cache: torch.Tensor, bs: int):
     """TMA descriptors over the caches viewed as [slots, Hkv*D], one page of one head a box."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [bs, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
     k2, v2 = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    return (TensorDescriptor(k2, list(k2.shape), [hkv * d, 1], [bs, d], layout),
-            TensorDescriptor(v2, list(v2.shape), [hkv * d, 1], [bs, d], layout))
+    return _descriptor(k2, [bs, d]), _descriptor(v2, [bs, d])
 
 
 def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -276,14 +287,10 @@ def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """``_prefill_kernel``'s bits through attention_gluon.py: a TMA descriptor over q viewed as
     [T, Hq*D] (tiles of 128 rows) and ``_kv_descs``."""
     t, hq, d = q.shape
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q2 = q.as_strided((t, hq * d), (q.stride(0), 1))
-    q_desc = TensorDescriptor(q2, [t, hq * d], [q.stride(0), 1], [p.block_m, d],
-                              gl.NVMMASharedLayout.get_default_for([p.block_m, d], dt))
-    k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size, q.dtype)
+    q_desc = _descriptor(q.as_strided((t, hq * d), (q.stride(0), 1)), [p.block_m, d])
+    k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size)
     bt, hkv = meta.block_tables, k_cache.shape[2]
     _prefill_gluon_kernel[(hq, p.tiles.shape[0])](
         q_desc, k_desc, v_desc, bt, p.tiles, out, bt.stride(0), out.stride(0), out.stride(1),
         k_cache.shape[0] * meta.block_size, scale * LOG2E, G=hq // hkv, D=d,
-        BS=meta.block_size, BLOCK_M=p.block_m, BLOCK_N=128, num_warps=4,
-        enable_fp_fusion=False)
+        BLOCK_M=p.block_m, BLOCK_N=128, num_warps=4, enable_fp_fusion=False)

@@ -32,20 +32,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _load_block(desc, smem, bar, bt_row, jb, max_p, num_slots, col, pred,
-                BS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """TMA of keys [jb*BLOCK_N, +BLOCK_N) of one head into ``smem``, page by page; keys past
-    ``max_p`` come from row ``num_slots`` (out of bounds: zeros). Completes on ``bar``."""
-    ROWS: gl.constexpr = BS if BS < BLOCK_N else BLOCK_N
-    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8,
-                    pred=pred)
-    for i in gl.static_range(BLOCK_N // ROWS):
-        key0 = jb * BLOCK_N + i * ROWS
-        valid = pred & (key0 <= max_p)
+def _load_block(desc, smem, bar, bt_row, jb, max_p, num_slots, col):
+    """TMA of keys [jb*BLOCK_N, +BLOCK_N) of one head into ``smem`` ([BLOCK_N, D]), one page (the
+    descriptor's box, BS keys) a copy; keys past ``max_p`` come from row ``num_slots`` (out of
+    bounds: zeros). Completes on ``bar``."""
+    BLOCK_N: gl.constexpr = smem.shape[0]
+    BS: gl.constexpr = desc.block_type.shape[0]
+    mbarrier.expect(bar, BLOCK_N // BS * desc.block_type.nbytes)
+    for i in gl.static_range(BLOCK_N // BS):
+        key0 = jb * BLOCK_N + i * BS
+        valid = key0 <= max_p
         page = gl.load(bt_row + key0 // BS, mask=valid, other=0)
-        slot = gl.where(valid, page * BS + key0 % BS, num_slots)
-        tma.async_copy_global_to_shared(desc, [slot, col], bar, smem.slice(i * ROWS, ROWS),
-                                        pred=pred)
+        slot = gl.where(valid, page * BS, num_slots)
+        tma.async_copy_global_to_shared(desc, [slot, col], bar, smem.slice(i * BS, BS))
 
 
 @gluon.jit
@@ -53,8 +52,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
               v_empty, bt_row, t0, q_col, col, max_p, n_blocks, num_slots):
     """The load warp: Q once, then K and V of every block into the two-deep rings, each buffer
     refilled once both consumers have released it."""
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    BS: gl.constexpr = k_desc.block_type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [t0, q_col], q_bar, q_smem)
     for jb in range(0, n_blocks):
@@ -62,10 +59,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
         phase = (jb // 2 - 1) & 1
         mbarrier.wait(k_empty.index(buf), phase, pred=jb >= 2)
         _load_block(k_desc, k_smem.index(buf), k_full.index(buf), bt_row, jb, max_p, num_slots,
-                    col, True, BS, BLOCK_N)
+                    col)
         mbarrier.wait(v_empty.index(buf), phase, pred=jb >= 2)
         _load_block(v_desc, v_smem.index(buf), v_full.index(buf), bt_row, jb, max_p, num_slots,
-                    col, True, BS, BLOCK_N)
+                    col)
 
 
 @gluon.jit
@@ -147,6 +144,8 @@ def _consumer(ROW0: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_fu
     gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows < n)[:, None])
 
 
+# warp_specialize passes its partitions' arguments as values, never as constexprs: the row
+# offset of each consumer is fixed by a wrapper of its own
 @gluon.jit
 def _consumer_lo(q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_full, v_empty,
                  out_ptr, stride_ot, stride_oh, t0, hq, n, p0, n_blocks, k_mid, c):
@@ -164,7 +163,7 @@ def _consumer_hi(q_smem, k_smem, v_smem, ones_smem, q_bar, k_full, k_empty, v_fu
 @gluon.jit
 def _prefill_gluon_kernel(q_desc, k_desc, v_desc, bt_ptr, tiles_ptr, out_ptr, stride_bt,
                           stride_ot, stride_oh, num_slots, c, G: gl.constexpr, D: gl.constexpr,
-                          BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Causal attention of up to BLOCK_M consecutive queries of one sequence for query head
     ``program_id(0)``; tile ``program_id(1)`` = (seq, first row, count, first position).
     Two consumer warpgroups (BLOCK_M/2 rows each) and one load warp."""
@@ -238,10 +237,8 @@ def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr
     fence_async_shared()
     gl.thread_barrier()
     bt_row = bt_ptr + b * stride_bt
-    _load_block(k_desc, k_smem, bar.index(0), bt_row, split, pos, num_slots, h * D, True,
-                k_desc.block_type.shape[0], BLOCK_N)
-    _load_block(v_desc, v_smem, bar.index(1), bt_row, split, pos, num_slots, h * D, True,
-                k_desc.block_type.shape[0], BLOCK_N)
+    _load_block(k_desc, k_smem, bar.index(0), bt_row, split, pos, num_slots, h * D)
+    _load_block(v_desc, v_smem, bar.index(1), bt_row, split, pos, num_slots, h * D)
 
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     g = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill)), G - 1)

@@ -346,18 +346,6 @@ def _max_fn(a, b):
 
 
 @triton.jit
-def _scan_terms(part_acc, part_ml, part_a, row, d, D: tl.constexpr):
-    """Split ``row``'s fold terms for ``_merge``: a1, acc_s * a2 and l_s * a2 (the products
-    ``_merge`` forms before its fmas)."""
-    one = tl.arange(0, 1)  # [1]-shaped: tensor loads, which the loop pipelines
-    a1 = tl.load(part_a + row * 2 + one)
-    a2 = tl.load(part_a + row * 2 + 1 + one)
-    l_s = tl.load(part_ml + row * 2 + 1 + one, cache_modifier=".cg")
-    acc_s = tl.load(part_acc + row * D + d, cache_modifier=".cg")
-    return a1, acc_s * a2, l_s * a2
-
-
-@triton.jit
 def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, stride_pt,
                        stride_ph, stride_ot, stride_oh, c, D: tl.constexpr, SPLIT: tl.constexpr,
                        NS: tl.constexpr, STAGES: tl.constexpr):
@@ -365,9 +353,7 @@ def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, str
     when there are many splits: the running max after split k is a prefix max, which is exact, so
     a scan gives the sequential fold's M_k bit for bit, and with it a1_k = exp2((M_{k-1} - M_k) c)
     and a2_k = exp2((m_k - M_k) c) for every split at once (staged in ``part_a``). The loop is
-    then only ``_merge``'s two fma chains, in ascending split order, its loads pipelined; the
-    body takes four splits' loads before their four folds (measured no faster on the H100 than
-    one split a turn: the fold's per-split latency is what is left, NOTES-kernels.md)."""
+    then only ``_merge``'s two fma chains, in ascending split order, its loads pipelined."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + j)
@@ -387,16 +373,11 @@ def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, str
     d = tl.arange(0, D)
     L = tl.zeros([1], tl.float32)
     ACC = tl.zeros([D], tl.float32)
-    n_four = n_splits // 4 * 4
-    for s in tl.range(0, n_four, 4, num_stages=STAGES):  # 4 splits' loads, then 4 folds
-        a1_0, b_0, lb_0 = _scan_terms(part_acc, part_ml, part_a, base + s, d, D)
-        a1_1, b_1, lb_1 = _scan_terms(part_acc, part_ml, part_a, base + s + 1, d, D)
-        a1_2, b_2, lb_2 = _scan_terms(part_acc, part_ml, part_a, base + s + 2, d, D)
-        a1_3, b_3, lb_3 = _scan_terms(part_acc, part_ml, part_a, base + s + 3, d, D)
-        L = tl.fma(tl.fma(tl.fma(tl.fma(L, a1_0, lb_0), a1_1, lb_1), a1_2, lb_2), a1_3, lb_3)
-        ACC = tl.fma(tl.fma(tl.fma(tl.fma(ACC, a1_0, b_0), a1_1, b_1), a1_2, b_2), a1_3, b_3)
-    for s in range(n_four, n_splits):
-        a1, b, lb = _scan_terms(part_acc, part_ml, part_a, base + s, d, D)
-        L = tl.fma(L, a1, lb)
-        ACC = tl.fma(ACC, a1, b)
+    for s in tl.range(0, n_splits, num_stages=STAGES):
+        a1 = tl.load(part_a + (base + s) * 2)
+        a2 = tl.load(part_a + (base + s) * 2 + 1)
+        l_s = tl.load(part_ml + (base + s) * 2 + 1, cache_modifier=".cg")
+        acc_s = tl.load(part_acc + (base + s) * D + d, cache_modifier=".cg")
+        L = tl.fma(L, a1, l_s * a2)
+        ACC = tl.fma(ACC, a1, acc_s * a2)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (ACC / L).to(out_ptr.dtype.element_ty))
