@@ -7,7 +7,18 @@ import math
 
 import torch
 
-from samebits.engine.sampler import _filter, gumbel_noise, mix32, sample, stream_key
+from samebits.engine.sampler import (
+    CANDIDATES,
+    _draw_candidates,
+    _draw_full,
+    _keep_full,
+    _weights,
+    gumbel_at,
+    gumbel_noise,
+    mix32,
+    sample,
+    stream_key,
+)
 from samebits.ops import get_backend
 from samebits.sampling_params import SamplingParams
 
@@ -16,9 +27,13 @@ NEG = -math.inf
 
 
 def _kept(x: torch.Tensor, params: SamplingParams) -> set[int]:
-    """Token ids the filters keep for one row of temperature-scaled logits."""
-    out = _filter(x[None].clone(), [params])[0]
-    return {i for i, v in enumerate(out.tolist()) if v != NEG}
+    """Token ids the filters keep for one row of temperature-scaled logits (the definition)."""
+    v = x.shape[-1]
+    w, q = _weights(x[None])
+    top_k = torch.tensor([params.top_k if 0 < params.top_k < v else v])
+    keep = _keep_full(x[None], q, top_k, torch.tensor([params.top_p], dtype=torch.float64))
+    keep &= w >= params.min_p
+    return {i for i, k in enumerate(keep[0].tolist()) if k}
 
 
 # ---- stream keys and noise ---------------------------------------------------------------------
@@ -275,3 +290,70 @@ def test_empirical_distribution_over_seeds_matches_softmax() -> None:
     tokens, _ = sample(INV, logits, [SamplingParams()] * n, list(range(n)), [0] * n)
     freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / n
     assert ((freq - p.double()).abs() < 0.03).all(), freq.tolist()
+
+
+# ---- candidates instead of a full sort ----------------------------------------------------------
+
+def _distributions(v: int = 5000) -> torch.Tensor:
+    """Peaked, flat, tied and plateau rows: where a candidate set is enough and where it is not."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randn(v, generator=gen) * s for s in (0.3, 1.0, 3.0, 8.0)]
+    rows.append(torch.zeros(v))  # all tied: the kept set needs far more than the candidates
+    tied = torch.randn(v, generator=gen)
+    tied[torch.randperm(v, generator=gen)[:600]] = tied.max() + 1  # 600 equal maxima
+    rows.append(tied)
+    plateau = torch.randn(v, generator=gen) * 2
+    plateau[torch.randperm(v, generator=gen)[:CANDIDATES[0] + 40]] = 4.0  # tie across the boundary
+    rows.append(plateau)
+    coarse = (torch.randn(v, generator=gen) * 4).round()  # many ties everywhere
+    rows.append(coarse)
+    return torch.stack(rows)
+
+
+def test_candidate_draw_equals_the_full_sort_definition_with_ties_and_fallbacks() -> None:
+    x0 = _distributions()
+    v = x0.shape[-1]
+    grid = [(0, 0.5, 0.0), (0, 0.9, 0.0), (0, 0.99, 0.0), (40, 1.0, 0.0), (CANDIDATES[0], 0.95, 0.0),
+            (7, 0.8, 0.05), (0, 0.3, 0.2), (1, 1.0, 0.0), (3, 0.999, 0.0)]
+    n_exact = n_fallback = 0
+    for temp in (0.5, 1.0, 1.7):
+        x = x0 / temp
+        w, q = _weights(x)
+        for top_k, top_p, min_p in grid:
+            b = x.shape[0]
+            k = torch.full((b,), top_k if 0 < top_k < v else v)
+            p = torch.full((b,), top_p, dtype=torch.float64)
+            m = torch.full((b,), min_p)
+            for index in range(2):
+                keys = torch.tensor([stream_key(11 + r, index) for r in range(b)])
+                ref = _draw_full(x, w, q, k, p, m, keys)
+                got, exact = _draw_candidates(x, w, q, k, p, m, keys, CANDIDATES[0])
+                assert torch.equal(got[exact], ref[exact]), (temp, top_k, top_p, min_p)
+                n_exact += int(exact.sum())
+                n_fallback += int((~exact).sum())
+    assert n_exact > 200 and n_fallback > 20  # both paths really ran
+
+
+def test_sample_takes_the_same_tokens_whichever_path_a_row_takes() -> None:
+    x = _distributions(3000)
+    params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, top_k=50),
+              SamplingParams(temperature=1.2, top_k=400, top_p=0.95),  # k above the candidates
+              SamplingParams(temperature=0.7, top_p=0.97, min_p=0.01)]
+    b = x.shape[0]
+    for sp in params:
+        tokens, _ = sample(INV, x, [sp] * b, list(range(b)), [5] * b)
+        keys = torch.tensor([stream_key(r, 5) for r in range(b)])
+        xs = x / sp.temperature
+        w, q = _weights(xs)
+        v = x.shape[-1]
+        k = torch.full((b,), sp.top_k if 0 < sp.top_k < v else v)
+        ref = _draw_full(xs, w, q, k, torch.full((b,), sp.top_p, dtype=torch.float64),
+                         torch.full((b,), sp.min_p), keys)
+        assert tokens == ref.tolist(), sp
+
+
+def test_gumbel_at_gives_a_token_the_same_noise_in_any_layout() -> None:
+    keys = torch.tensor([stream_key(s, 3) for s in range(4)])
+    full = gumbel_noise(keys, 777)
+    ids = torch.randint(0, 777, (4, 33), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gumbel_at(keys, ids), full.gather(1, ids))
