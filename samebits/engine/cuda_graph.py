@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: capture the model's forward once per (batch bucket, length
-bucket), then replay it with the step's inputs copied into the graph's own tensors.
+bucket), all of them when the engine starts, then replay with the step's inputs copied into the
+graph's own tensors.
 
 An eager decode step launches ~15 kernels per layer, and Triton's launcher costs tens of
 microseconds of host time per launch, so an eager step is bound by the CPU, not the GPU. A replay
@@ -16,11 +17,16 @@ against the eager engine bit for bit.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from samebits.ops.backend import AttentionMetadata
+
+log = logging.getLogger("samebits.engine")
 
 
 def batch_bucket(n: int) -> int:
@@ -106,25 +112,33 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """Captures on the first decode step of each length bucket (all batch buckets), then replays."""
+    """Captures, at construction, a graph for every (batch bucket, length bucket) a decode step can
+    need -- contexts up to ``max_len`` tokens -- so no request ever waits for a capture."""
 
-    def __init__(self, model, kv_caches: list, max_batch: int, block_size: int, split_size: int,
-                 scratch_block: int) -> None:
+    def __init__(self, model, kv_caches: list, max_batch: int, max_len: int, block_size: int,
+                 split_size: int, scratch_block: int) -> None:
         """``model.ops`` must be a ``GraphableBackend`` (ops/backend.py)."""
         self.model, self.kv_caches, self.max_batch = model, kv_caches, max_batch
         self.block_size, self.split_size, self.scratch_block = block_size, split_size, scratch_block
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = self._capture(max_len)
 
-    def _capture_all(self, max_len: int) -> None:
-        """Every batch bucket of a length bucket at once, so that only the first decode step at a
-        new context length pays for captures -- not each step where requests finish and the
-        batch shrinks into a new bucket."""
+    def _capture(self, max_len: int) -> float:
         sizes = sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
-        for size in sizes:  # largest first: the shared pool is sized by it once
-            self.graphs[(size, max_len)] = _Captured(
-                self.model, self.kv_caches, size, max_len, self.block_size, self.split_size,
-                self.scratch_block, self.pool)
+        lens, top = [], len_bucket(max_len, self.split_size)
+        while top >= self.split_size:
+            lens.append(top)
+            top //= 2
+        start = time.perf_counter()
+        keys = [(size, n) for n in lens for size in sizes]  # largest first: the pool is sized once
+        for size, n in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
+            self.graphs[(size, n)] = _Captured(self.model, self.kv_caches, size, n, self.block_size,
+                                               self.split_size, self.scratch_block, self.pool)
+        seconds = time.perf_counter() - start
+        log.info("captured %d decode CUDA graphs (batch buckets %s, contexts up to %d) in %.1f s",
+                 len(keys), sizes[::-1], lens[0], seconds)
+        return seconds
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
@@ -133,8 +147,6 @@ class DecodeGraphs:
         """Hidden states [B, H] of the batch's decode tokens, via the graph of its buckets."""
         n = len(batch.input_ids)
         key = (batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size))
-        if key not in self.graphs:
-            self._capture_all(key[1])
         g = self.graphs[key]
         rows = pad_rows(batch, g.size, g.width, self.scratch_block, self.block_size)
         return g.replay(rows)[:n]

@@ -53,7 +53,8 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
+            max_len = min(loaded.max_model_len, self.num_blocks * config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
                                        config.block_size, config.attention_split_size,
                                        scratch_block=self.num_blocks)
 

@@ -103,3 +103,14 @@ def test_gpu_standard_mode_computes_the_same_model(reference):
     rescored = _llm().score([p + t for (p, _), (t, _) in zip(greedy, got, strict=True)])
     for (p, _), (_, lp), s in zip(greedy, got, rescored, strict=True):
         assert max(abs(a - b) for a, b in zip(s[len(p) - 1:], lp, strict=True)) < 0.1
+
+
+def test_gpu_decode_graphs_are_all_captured_at_start():
+    llm = _llm(max_num_seqs=8)
+    captured = set(llm.engine.runner.graphs.graphs)
+    assert {size for size, _ in captured} == {1, 2, 4, 8}
+    assert max(n for _, n in captured) >= 1024
+    # a request crossing several length buckets, and a batch shrinking through batch buckets
+    prompts = [[3 + i] * (100 + 300 * i) for i in range(4)]
+    llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    assert set(llm.engine.runner.graphs.graphs) == captured  # no capture after start
