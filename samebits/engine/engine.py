@@ -35,6 +35,16 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
+        if self.runner.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one prefill of each row-count class the kernels pick tiles by, so that every kernel
+        variant a step can launch is compiled before the first request (decode steps were compiled
+        by the CUDA-graph captures). Nothing stays behind: no request, no cached block, no seed."""
+        limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        for n in sorted({min(n, limit) for n in (1, 8, 16, 32, 64, 128, 256, 1024, limit)}):
+            self.prompt_logits([0] * n)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -1,5 +1,5 @@
-"""The candidate sampler on CUDA: every row's token equals the full-sort definition's, and a row's
-token is the same alone or in a batch of 64 (Qwen3's vocabulary size)."""
+"""The sampler on CUDA: the radix keep set equals the full-sort definition on Qwen3's vocabulary
+size, and a row's token is the same alone or in a batch of 64."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits.engine import sampler  # noqa: E402
+from samebits.engine.token_filter import keep_by_radix, keep_by_sort, weights  # noqa: E402
 from samebits.ops import get_backend  # noqa: E402
 from samebits.sampling_params import SamplingParams  # noqa: E402
 
@@ -20,20 +21,19 @@ PARAMS = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperatur
 
 def _logits(b: int) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(b, V, device="cuda", generator=gen) * torch.linspace(1, 8, b, device="cuda")[:, None]
-    x[::7, :300] = x[::7].amax(-1, keepdim=True)  # ties across the first candidate boundary
+    scale = torch.logspace(-2, 1.5, b, device="cuda")[:, None]  # near-uniform to peaked
+    x = torch.randn(b, V, device="cuda", generator=gen) * scale
+    x[::7, :300] = x[::7].amax(-1, keepdim=True)  # 300-way ties at the top
     return x
 
 
-@pytest.mark.parametrize("params", PARAMS)
-def test_gpu_candidate_tokens_equal_the_full_sort_definition(params, monkeypatch):
-    ops = get_backend("cuda", True)
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (50, 1.0), (20, 0.8), (0, 0.5), (5000, 0.99)])
+def test_gpu_radix_keep_set_equals_the_sort_definition(top_k, top_p):
     x = _logits(64)
-    seeds, idx = list(range(64)), [3] * 64
-    fast, _ = sampler.sample(ops, x, [params] * 64, seeds, idx)
-    monkeypatch.setattr(sampler, "CANDIDATES", ())
-    full, _ = sampler.sample(ops, x, [params] * 64, seeds, idx)
-    assert fast == full
+    _, q = weights(x)
+    k = torch.full((64,), top_k if top_k else V, device="cuda")
+    p = torch.full((64,), top_p, device="cuda", dtype=torch.float64)
+    assert torch.equal(keep_by_radix(x, q, k, p), keep_by_sort(x, q, k, p))
 
 
 def test_gpu_sampled_row_is_the_same_alone_or_in_a_batch_of_64():

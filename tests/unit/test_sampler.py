@@ -7,18 +7,8 @@ import math
 
 import torch
 
-from samebits.engine.sampler import (
-    CANDIDATES,
-    _draw_candidates,
-    _draw_full,
-    _keep_full,
-    _weights,
-    gumbel_at,
-    gumbel_noise,
-    mix32,
-    sample,
-    stream_key,
-)
+from samebits.engine.sampler import gumbel_noise, mix32, sample, stream_key
+from samebits.engine.token_filter import keep_by_radix, keep_by_sort, weights
 from samebits.ops import get_backend
 from samebits.sampling_params import SamplingParams
 
@@ -29,10 +19,12 @@ NEG = -math.inf
 def _kept(x: torch.Tensor, params: SamplingParams) -> set[int]:
     """Token ids the filters keep for one row of temperature-scaled logits (the definition)."""
     v = x.shape[-1]
-    w, q = _weights(x[None])
+    w, q = weights(x[None])
     top_k = torch.tensor([params.top_k if 0 < params.top_k < v else v])
-    keep = _keep_full(x[None], q, top_k, torch.tensor([params.top_p], dtype=torch.float64))
-    keep &= w >= params.min_p
+    top_p = torch.tensor([params.top_p], dtype=torch.float64)
+    keep = keep_by_sort(x[None], q, top_k, top_p) & (w >= params.min_p)
+    fast = keep_by_radix(x[None], q, top_k, top_p) & (w >= params.min_p)
+    assert torch.equal(fast, keep)
     return {i for i, k in enumerate(keep[0].tolist()) if k}
 
 
@@ -292,68 +284,47 @@ def test_empirical_distribution_over_seeds_matches_softmax() -> None:
     assert ((freq - p.double()).abs() < 0.03).all(), freq.tolist()
 
 
-# ---- candidates instead of a full sort ----------------------------------------------------------
+# ---- radix selection instead of a sort ----------------------------------------------------------
 
 def _distributions(v: int = 5000) -> torch.Tensor:
-    """Peaked, flat, tied and plateau rows: where a candidate set is enough and where it is not."""
+    """Peaked, flat, tied, plateau, zero-mass and masked rows."""
     gen = torch.Generator().manual_seed(7)
-    rows = [torch.randn(v, generator=gen) * s for s in (0.3, 1.0, 3.0, 8.0)]
-    rows.append(torch.zeros(v))  # all tied: the kept set needs far more than the candidates
+    rows = [torch.randn(v, generator=gen) * s for s in (0.01, 0.3, 1.0, 3.0, 8.0, 60.0)]
+    rows.append(torch.zeros(v))  # all tied
     tied = torch.randn(v, generator=gen)
     tied[torch.randperm(v, generator=gen)[:600]] = tied.max() + 1  # 600 equal maxima
     rows.append(tied)
-    plateau = torch.randn(v, generator=gen) * 2
-    plateau[torch.randperm(v, generator=gen)[:CANDIDATES[0] + 40]] = 4.0  # tie across the boundary
-    rows.append(plateau)
-    coarse = (torch.randn(v, generator=gen) * 4).round()  # many ties everywhere
+    coarse = (torch.randn(v, generator=gen) * 4).round()  # ties everywhere, -0.0 and +0.0 among them
+    coarse[::5] = -coarse[::5]
     rows.append(coarse)
+    masked = torch.randn(v, generator=gen)
+    masked[torch.randperm(v, generator=gen)[:2 * v // 3]] = -math.inf  # grammar / min_tokens masks
+    rows.append(masked)
     return torch.stack(rows)
 
 
-def test_candidate_draw_equals_the_full_sort_definition_with_ties_and_fallbacks() -> None:
-    x0 = _distributions()
-    v = x0.shape[-1]
-    grid = [(0, 0.5, 0.0), (0, 0.9, 0.0), (0, 0.99, 0.0), (40, 1.0, 0.0), (CANDIDATES[0], 0.95, 0.0),
-            (7, 0.8, 0.05), (0, 0.3, 0.2), (1, 1.0, 0.0), (3, 0.999, 0.0)]
-    n_exact = n_fallback = 0
-    for temp in (0.5, 1.0, 1.7):
-        x = x0 / temp
-        w, q = _weights(x)
-        for top_k, top_p, min_p in grid:
-            b = x.shape[0]
-            k = torch.full((b,), top_k if 0 < top_k < v else v)
-            p = torch.full((b,), top_p, dtype=torch.float64)
-            m = torch.full((b,), min_p)
-            for index in range(2):
-                keys = torch.tensor([stream_key(11 + r, index) for r in range(b)])
-                ref = _draw_full(x, w, q, k, p, m, keys)
-                got, exact = _draw_candidates(x, w, q, k, p, m, keys, CANDIDATES[0])
-                assert torch.equal(got[exact], ref[exact]), (temp, top_k, top_p, min_p)
-                n_exact += int(exact.sum())
-                n_fallback += int((~exact).sum())
-    assert n_exact > 200 and n_fallback > 20  # both paths really ran
+def test_radix_keep_set_equals_the_sort_definition_on_peaked_flat_and_tied_rows() -> None:
+    x = _distributions()
+    b, v = x.shape
+    for top_k, top_p in [(0, 0.5), (0, 0.9), (0, 0.999), (40, 1.0), (1, 1.0), (4999, 0.95),
+                         (7, 0.8), (700, 0.3), (3, 0.999), (0, 1e-9)]:
+        k = torch.full((b,), top_k if 0 < top_k < v else v)
+        p = torch.full((b,), top_p, dtype=torch.float64)
+        for temp in (0.5, 1.7):
+            _, q = weights(x / temp)
+            want = keep_by_sort(x / temp, q, k, p)
+            assert torch.equal(keep_by_radix(x / temp, q, k, p), want), (top_k, top_p, temp)
+            if top_k:
+                assert (want.sum(-1) <= top_k).all()
 
 
-def test_sample_takes_the_same_tokens_whichever_path_a_row_takes() -> None:
+def test_radix_keep_set_of_a_row_ignores_its_neighbours() -> None:
     x = _distributions(3000)
-    params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, top_k=50),
-              SamplingParams(temperature=1.2, top_k=400, top_p=0.95),  # k above the candidates
-              SamplingParams(temperature=0.7, top_p=0.97, min_p=0.01)]
-    b = x.shape[0]
-    for sp in params:
-        tokens, _ = sample(INV, x, [sp] * b, list(range(b)), [5] * b)
-        keys = torch.tensor([stream_key(r, 5) for r in range(b)])
-        xs = x / sp.temperature
-        w, q = _weights(xs)
-        v = x.shape[-1]
-        k = torch.full((b,), sp.top_k if 0 < sp.top_k < v else v)
-        ref = _draw_full(xs, w, q, k, torch.full((b,), sp.top_p, dtype=torch.float64),
-                         torch.full((b,), sp.min_p), keys)
-        assert tokens == ref.tolist(), sp
-
-
-def test_gumbel_at_gives_a_token_the_same_noise_in_any_layout() -> None:
-    keys = torch.tensor([stream_key(s, 3) for s in range(4)])
-    full = gumbel_noise(keys, 777)
-    ids = torch.randint(0, 777, (4, 33), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(gumbel_at(keys, ids), full.gather(1, ids))
+    b, v = x.shape
+    k = torch.tensor([0, 5, 50, 3000, 1, 9, 100, 2000, 3, 40])[:b]
+    k = torch.where(k > 0, k, v)
+    p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.7, 0.99, 0.2, 0.6, 0.8][:b], dtype=torch.float64)
+    _, q = weights(x)
+    batch = keep_by_radix(x, q, k, p)
+    for r in range(b):
+        assert torch.equal(keep_by_radix(x[r:r + 1], q[r:r + 1], k[r:r + 1], p[r:r + 1])[0], batch[r])
