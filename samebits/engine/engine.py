@@ -39,12 +39,15 @@ class LLMEngine:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Run one prefill of each row-count class the kernels pick tiles by, so that every kernel
-        variant a step can launch is compiled before the first request (decode steps were compiled
-        by the CUDA-graph captures). Nothing stays behind: no request, no cached block, no seed."""
-        limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        """Run prefills of each row-count class the kernels pick tiles by, alone and after a
+        cached context, so every kernel variant a step can launch is compiled before the first
+        request (decode kernels were compiled by the CUDA-graph captures). Nothing stays behind:
+        no request, no cached block, no drawn seed."""
+        capacity = self.runner.num_blocks * self.config.block_size
+        limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1, capacity) - 16
         for n in sorted({min(n, limit) for n in (1, 8, 16, 32, 64, 128, 256, 1024, limit)}):
-            self.prompt_logits([0] * n)
+            self.prompt_hidden([0] * n)
+            self.prompt_hidden([0] * (16 + n), chunks=[16, n])
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -131,14 +134,20 @@ class LLMEngine:
             return "length"
         return None
 
-    def prompt_hidden(self, token_ids: list[int]) -> torch.Tensor:
-        """Final-norm hidden states [n, H] at every position of one prompt, in one pass."""
+    def prompt_hidden(self, token_ids: list[int], chunks: list[int] | None = None
+                      ) -> torch.Tensor:
+        """Final-norm hidden states [n, H] at every position of one prompt, computed in one pass
+        or in prefill chunks of the given sizes."""
         self._check_prompt(token_ids, 0)
         seq = Sequence("prompt-hidden", list(token_ids), SamplingParams(), 0, score_only=True)
-        if not self.kv.allocate(seq, len(token_ids)):
-            raise RuntimeError("not enough free KV blocks for one prompt")
+        hidden = []
         try:
-            return self.runner.all_hidden(ScheduledBatch([seq], [len(token_ids)]))
+            for n in chunks or [len(token_ids)]:
+                if not self.kv.allocate(seq, n):
+                    raise RuntimeError("not enough free KV blocks for one prompt")
+                hidden.append(self.runner.all_hidden(ScheduledBatch([seq], [n])))
+                seq.num_computed_tokens += n
+            return torch.cat(hidden)
         finally:
             self.kv.free(seq)
 

@@ -55,8 +55,16 @@ def draw(x: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> t
         top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float64)
         keep &= keep_by_radix(x, q, top_k, top_p)
-    scores = x.masked_fill(~keep, -math.inf) + gumbel_noise(keys, v)
-    return scores.argmax(dim=-1)  # first maximum: ties -> lowest id
+    return _gumbel_argmax(x, keep, keys)
+
+
+def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over kept tokens of x + gumbel_noise (first maximum: ties -> lowest id); on CUDA one
+    fused kernel computes the same function (ops/triton/gumbel.py)."""
+    if x.is_cuda:
+        from samebits.ops.triton.gumbel import gumbel_argmax
+        return gumbel_argmax(x, keep, keys)
+    return (x.masked_fill(~keep, -math.inf) + gumbel_noise(keys, x.shape[-1])).argmax(dim=-1)
 
 
 def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

@@ -25,12 +25,13 @@ pytest.importorskip("triton")
 from samebits.ops import reference  # noqa: E402
 from samebits.ops.backend import AttentionMetadata  # noqa: E402
 
-_MODULES = ["attention_kernels", "attention", "linear", "rms_norm", "softmax"]
+_MODULES = ["attention_kernels", "attention", "gumbel", "linear", "rms_norm", "softmax"]
 for _name in _MODULES:  # re-import under the interpreter if something imported them compiled
     _full = f"samebits.ops.triton.{_name}"
     if _full in sys.modules:
         importlib.reload(sys.modules[_full])
 from samebits.ops.triton import attention as A  # noqa: E402
+from samebits.ops.triton import gumbel as G  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 from samebits.ops.triton import rms_norm as RN  # noqa: E402
 from samebits.ops.triton import softmax as SM  # noqa: E402
@@ -234,3 +235,19 @@ def test_standard_cuda_backend_matches_reference_and_picks_split_from_batch() ->
         ref = reference.attention(q.double(), cache.k.double(), cache.v.double(), meta,
                                   d ** -0.5)
         assert (out.double() - ref).abs().max() < 1e-5, q_lens
+
+
+def test_gumbel_argmax_kernel_draws_the_samplers_token_per_row() -> None:
+    from samebits.engine.sampler import gumbel_noise, stream_key
+    gen = torch.Generator().manual_seed(3)
+    v = G.CHUNK + 1500  # two chunks, the second partial
+    x = torch.randn(6, v, generator=gen) * torch.tensor([0.01, 0.5, 1, 2, 4, 8])[:, None]
+    x[5] = 0.0  # all tied: the noise alone decides
+    keep = torch.rand(6, v, generator=gen) < 0.7
+    keys = torch.tensor([stream_key(100 + r, 7) for r in range(6)])
+    want = (x.masked_fill(~keep, float("-inf")) + gumbel_noise(keys, v)).argmax(-1)
+    got = G.gumbel_argmax(x, keep, keys)
+    assert got.tolist() == want.tolist()
+    assert keep.gather(1, got[:, None]).all()
+    for r in range(6):  # a row alone
+        assert G.gumbel_argmax(x[r:r + 1], keep[r:r + 1], keys[r:r + 1]).item() == got[r].item()
