@@ -3,8 +3,9 @@
 The noise for token ``v`` of a request's ``i``-th generated token is a hash of (request seed, i, v)
 -- integer arithmetic, the same on every device and in every batch -- turned into Gumbel noise;
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
-The filters (top-k, top-p, min-p on the temperature-scaled logits) are defined and computed in
-token_filter.py, row by row. Greedy is ``argmax`` of the logits; ties go to the lowest token id.
+Filters on the temperature-scaled logits: top-k and top-p (``keep_mask``, one stable sort, masses
+in integer units so cumulative sums are exact) and min-p (``exp(x - max) >= min_p``); each row's
+decisions depend on that row alone. Greedy is ``argmax`` of the logits; ties go to the lowest token id.
 Reported logprobs are ``log_softmax`` of the raw fp32 logits through the invariant backend.
 """
 
@@ -14,11 +15,11 @@ import math
 
 import torch
 
-from samebits.engine.token_filter import keep_by_radix, weights
 from samebits.ops.backend import OpBackend
 from samebits.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
+_MASS_SCALE = 2.0 ** 32  # top-p mass unit: 2**-32 of the most likely token's weight
 
 
 def mix32(x):  # works on Python ints and on int64 tensors holding values < 2**32
@@ -37,7 +38,7 @@ def stream_key(seed: int, index: int) -> tuple[int, int]:
 
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """keys [B, 2] int64 -> Gumbel(0, 1) noise [B, V] in fp32, a pure function of (key, token id)."""
-    width = -(-vocab_size // 64) * 64  # whole 64-element rows through the vectorised log (pad_cols)
+    width = -(-vocab_size // 64) * 64  # whole 64-element rows: see pad_cols
     tokens = torch.arange(width, device=keys.device, dtype=torch.int64)
     h = mix32(mix32(keys[:, :1] ^ tokens[None, :]) ^ keys[:, 1:])
     h = mix32(h ^ 0x85EBCA6B)
@@ -45,16 +46,46 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (-torch.log(-torch.log(u))).float()[:, :vocab_size]
 
 
+def pad_cols(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, L] with L zero-padded to a multiple of 64. A CPU elementwise kernel computes the
+    tail of a tensor with its scalar function, whose exp/log may differ from the vectorised one in
+    the last ulp; with whole 64-element rows every element takes the vectorised path."""
+    pad = -x.shape[1] % 64
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits x [B, V] -> (w = exp(x - row max) fp32, q = floor(w * 2**32) int64)."""
+    w = torch.exp(pad_cols(x - x.amax(-1, keepdim=True)))[:, :x.shape[1]]
+    return w, torch.floor(w * _MASS_SCALE).to(torch.int64)
+
+
+def keep_mask(x: torch.Tensor, q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """Top-k and top-p keep set of scaled logits x [B, V] with integer masses q: order the tokens by
+    (logit desc, id asc) with one stable sort; top-k keeps the first k; top-p keeps a token while
+    the mass strictly before it (within the top-k set) is below p times the top-k set's mass. The
+    masses are integers, so every sum is exact, whatever the scan algorithm or the row's batch."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    rank = torch.arange(x.shape[-1], device=x.device)[None, :]
+    drop = rank >= top_k[:, None]
+    qs = q.gather(-1, order).masked_fill(drop, 0)
+    total = qs.sum(-1, keepdim=True).double()
+    before = (torch.cumsum(qs, dim=-1) - qs).double()
+    drop |= (top_p[:, None] < 1) & (before >= top_p[:, None] * total)
+    return ~torch.zeros_like(drop).scatter(-1, order, drop)
+
+
 def draw(x: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> torch.Tensor:
     """One token per row of temperature-scaled logits x [B, V]: the Gumbel-max draw over the
-    tokens top-k, top-p and min-p keep (token_filter.py); ties go to the lowest id."""
+    tokens top-k, top-p and min-p keep; ties go to the lowest id."""
     dev, v = x.device, x.shape[-1]
     w, q = weights(x)
     keep = w >= torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)[:, None]
     if any(0 < p.top_k < v or p.top_p < 1 for p in params):
         top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float64)
-        keep &= keep_by_radix(x, q, top_k, top_p)
+        keep &= keep_mask(x, q, top_k, top_p)
     return _gumbel_argmax(x, keep, keys)
 
 
