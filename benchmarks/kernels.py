@@ -36,7 +36,6 @@ from samebits.ops.triton import softmax as SM
 LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
 LINEAR_MS = [1, 8, 32, 128, 512, 2048, 8192]
 ROWS: list[dict] = []
-LAUNCH0 = dict(A.LAUNCH)  # every variant starts from the engine's launch parameters
 
 
 def us(fn, *args, rep: int = 100, graph: bool = True, **kwargs) -> float:
@@ -217,14 +216,15 @@ def bench_decode(variants: list[dict]) -> None:
             for var in variants:
                 var = dict(var)
                 split = var.pop("split_size", EngineConfig.attention_split_size)
-                meta = A.plan_attention(dataclasses.replace(meta, split_size=split, plan=None))
-                A.LAUNCH.update({**LAUNCH0, **var})
+                launch = dataclasses.replace(A.DEFAULT_LAUNCH, **var)  # from the engine's
+                meta = dataclasses.replace(meta, split_size=split, plan=None)
+                meta = dataclasses.replace(meta, plan=A.plan(meta, launch=launch))
                 out = A.attention(q, kc, vc, meta, scale)
                 err = (out.float() - ref[:, :, 0].float()).abs().max().item()
                 t = us(A.attention, q, kc, vc, meta, scale)
                 emit("attention_decode", {"batch": b, "context": ctx, "hq": hq, "hkv": hkv,
                                           "d": d}, "bf16", t, stock,
-                     max_abs_err=err, launch=dict(A.LAUNCH), split_size=split,
+                     max_abs_err=err, launch=dataclasses.asdict(launch), split_size=split,
                      standard_paged_us=std_us,
                      standard_split=std_meta.plan.split_size,
                      invariant_host_us=round(host_us(A.attention, q, kc, vc, meta, scale), 1),
@@ -264,17 +264,18 @@ def bench_prefill(variants: list[dict]) -> None:
             var = dict(var)
             block_m, flat = var.pop("block_m", None), var.pop("flat", None)
             split = var.pop("split_size", EngineConfig.attention_split_size)
-            A.LAUNCH.update({**LAUNCH0, **var})
+            launch = dataclasses.replace(A.DEFAULT_LAUNCH, **var)  # from the engine's
             split_meta = dataclasses.replace(base, split_size=split)
             meta = dataclasses.replace(split_meta, plan=A.plan(split_meta, block_m=block_m,
-                                                               flat=flat))
+                                                               flat=bool(flat), launch=launch))
             out = A.attention(q, kc, vc, meta, scale)
             err = (out.float() - ref.float()).abs().max().item()
             t = us(A.attention, q, kc, vc, meta, scale)
             flops = 4 * hq * d * n * n / 2
             emit("attention_prefill", {"tokens": n, "hq": hq, "hkv": hkv, "d": d}, "bf16", t,
                  stock, max_abs_err=err, tflops=round(flops / t / 1e6, 1),
-                 launch={**A.LAUNCH, "block_m": meta.plan.block_m, "flat": meta.plan.flat},
+                 launch={**dataclasses.asdict(launch), "block_m": meta.plan.block_m,
+                         "flat": meta.plan.flat},
                  split_size=split,
                  stock_by_backend_us=backends)
         del k, v, kc, vc

@@ -60,10 +60,12 @@ class Paged:
         return self.k[blocks, pos % self.bs], self.v[blocks, pos % self.bs]  # [n, Hkv, D]
 
 
-def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], split: int = 128):
+def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], split: int = 128,
+                launch: A.AttentionLaunch = A.DEFAULT_LAUNCH):
     """Each position as a one-query sequence, all in one batch (split path)."""
     meta = cache.meta([seq] * len(positions), [p + 1 for p in positions], [1] * len(positions),
                       split)
+    meta = dataclasses.replace(meta, plan=A.plan(meta, launch=launch))
     return A.attention(q[positions], cache.k, cache.v, meta, q.shape[-1] ** -0.5)
 
 
@@ -80,12 +82,9 @@ def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, tr
     q = torch.randn(n, hq, d, device="cuda").to(dtype)
     scale = d ** -0.5
     pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n], split), scale)
-    old = dict(A.LAUNCH)
-    A.LAUNCH.update(split_trans=trans, split_warps=4 if trans else 2, merge_scan=trans)
-    try:
-        dec = _decode_all(cache, q, 0, list(range(n)), split)
-    finally:
-        A.LAUNCH.update(old)
+    launch = dataclasses.replace(A.DEFAULT_LAUNCH, split_trans=trans, split_warps=4 if trans else 2,
+                                 merge_scan=trans)
+    dec = _decode_all(cache, q, 0, list(range(n)), split, launch)
     bad = (pre != dec).flatten(1).any(1).nonzero().flatten().tolist()
     assert bad == [], f"positions differing: {bad[:10]}"
     k, v = cache.contiguous(0, n)
@@ -111,13 +110,10 @@ def test_chunked_prefill_and_schedules() -> None:
     meta = cache.meta([0], [n], [n])
     for fused, trans, warps in ((False, False, 2), (True, False, 4), (False, True, 4),
                                 (True, True, 8)):  # split path variants
-        old = dict(A.LAUNCH)
-        A.LAUNCH.update(fused_merge=fused, split_trans=trans, split_warps=warps, merge_scan=trans)
-        try:
-            p = A.plan(meta, min_prefill=10 ** 9)
-            out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
-        finally:
-            A.LAUNCH.update(old)
+        launch = dataclasses.replace(A.DEFAULT_LAUNCH, fused_merge=fused, split_trans=trans,
+                                     split_warps=warps, merge_scan=trans)
+        p = A.plan(meta, min_prefill=10 ** 9, launch=launch)
+        out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
         assert torch.equal(out, pre), (fused, trans, warps)
     for block_m in (64, 128):
         for flat in (True, False):
@@ -180,11 +176,8 @@ def test_gluon_prefill_equals_triton_prefill(d: int, dtype: torch.dtype, bs: int
     p = A.plan(meta, block_m=128)
     assert A._gluon_fits(q, meta, p)
     gluon = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
-    A.LAUNCH["prefill_gluon"] = False
-    try:
-        triton_ = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
-    finally:
-        A.LAUNCH["prefill_gluon"] = True
+    p = dataclasses.replace(p, launch=dataclasses.replace(A.DEFAULT_LAUNCH, prefill_gluon=False))
+    triton_ = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
     bad = (gluon != triton_).flatten(1).any(1).nonzero().flatten().tolist()
     assert bad == [], f"rows differing: {bad[:10]} of {len(bad)}"
 
@@ -205,11 +198,8 @@ def test_gluon_decode_equals_triton_decode(hq: int, hkv: int, d: int, dtype: tor
     assert A._gluon_decode_fits(q, cache.meta([0], [n], [1]), A.plan(cache.meta([0], [n], [1])),
                                 hq // hkv)
     gluon = _decode_all(cache, q, 0, pos)
-    A.LAUNCH["decode_gluon"] = False
-    try:
-        triton_ = _decode_all(cache, q, 0, pos)
-    finally:
-        A.LAUNCH["decode_gluon"] = True
+    triton_ = _decode_all(cache, q, 0, pos,
+                          launch=dataclasses.replace(A.DEFAULT_LAUNCH, decode_gluon=False))
     bad = [p for i, p in enumerate(pos) if not torch.equal(gluon[i], triton_[i])]
     assert bad == [], f"positions differing: {bad}"
 

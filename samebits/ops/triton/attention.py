@@ -19,7 +19,7 @@ Two schedules produce those bits (attention_kernels.py holds the shared arithmet
 
 On Hopper (sm_90, 16-bit, head dim 64/128, split 128) both schedules run as Gluon kernels
 (attention_gluon.py: TMA page loads, asynchronous wgmma, a warp-specialized prefill) that
-reproduce these bits; ``LAUNCH["prefill_gluon"]`` / ``["decode_gluon"]`` switch them off.
+reproduce these bits; ``AttentionLaunch.prefill_gluon`` / ``.decode_gluon`` switch them off.
 
 ``plan_attention`` builds the index tensors of both once per forward. The kernels are compiled
 with ``enable_fp_fusion=False``: no multiply-add is contracted behind our back, so the only fmas
@@ -52,12 +52,34 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernels every
 
 PREFILL_MIN_QUERIES = 16  # sequences with at least this many queries take the prefill kernel
 LOG2E = 1.4426950408889634
-# launch parameters: free to tune, they never change the bits (benchmarks/kernels.py sweeps them)
-LAUNCH = {"split_warps": 4, "split_stages": 2, "prefill_stages": None, "merge_warps": 1,
-          "merge_heads": 1, "merge_stages": 12, "prefill_block_m": None, "prefill_flat": False,
-          "fused_merge": False, "split_trans": True, "merge_scan": None,
-          "merge_scan_min_splits": 64, "prefill_gluon": True,
-          "decode_gluon": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunch:
+    """How the kernels are launched: free to tune, never changes the bits (the schedules are
+    tested equal; benchmarks/kernels.py sweeps these). A plan carries the one it was built with."""
+
+    split_warps: int = 4
+    split_stages: int = 2
+    prefill_stages: int | None = None  # None: 3 for 64-query tiles, 2 for 128
+    merge_warps: int = 1
+    merge_heads: int = 1
+    merge_stages: int = 12
+    fused_merge: bool = False  # the last split's program merges (measured no faster on the H200)
+    split_trans: bool = True  # transposed split products (the Gluon decode needs them)
+    merge_scan: bool | None = None  # None: the prefix-max scan from merge_scan_min_splits on
+    merge_scan_min_splits: int = 64
+    prefill_gluon: bool = True  # Hopper: the warp-specialized Gluon prefill where it fits
+    decode_gluon: bool = True  # Hopper: the Gluon split kernel where it fits
+
+    def __post_init__(self) -> None:
+        for name in ("split_warps", "split_stages", "merge_warps", "merge_heads", "merge_stages",
+                     "merge_scan_min_splits"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AttentionLaunch.{name} must be positive")
+
+
+DEFAULT_LAUNCH = AttentionLaunch()
 
 
 def key_block(split_size: int) -> int:
@@ -79,12 +101,14 @@ class TritonAttentionPlan:
     block_m: int
     split_size: int  # KV tokens per split (the invariant backend: always meta.split_size)
     flat: bool = False  # prefill walks blocks in one loop, merging at split ends
+    launch: AttentionLaunch = DEFAULT_LAUNCH
     counters: torch.Tensor | None = None  # fused-merge counters (made on first use)
 
 
 def plan(meta: AttentionMetadata, block_m: int | None = None,
-         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool | None = None,
-         split_size: int | None = None) -> TritonAttentionPlan:
+         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool = False,
+         split_size: int | None = None, launch: AttentionLaunch = DEFAULT_LAUNCH
+         ) -> TritonAttentionPlan:
     """Index tensors for one forward: sequences with ``min_prefill`` or more queries go to the
     prefill kernel, the others (decode, short chunks) to the split kernel."""
     qsl, split = meta.query_start_loc_list, split_size or meta.split_size
@@ -99,10 +123,8 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
             dec_pos += range(first, seq_len)
             dec_row += range(qsl[b], qsl[b + 1])
     big = (sum(sp[2] for sp in spans) >= 2048
-           or LAUNCH["prefill_gluon"] and _gluon_device(meta.seq_lens.device))
-    auto = 128 if big else 64
-    block_m = block_m or LAUNCH["prefill_block_m"] or auto
-    flat = LAUNCH["prefill_flat"] if flat is None else flat
+           or launch.prefill_gluon and _gluon_device(meta.seq_lens.device))
+    block_m = block_m or (128 if big else 64)
     tiles = [(b, t0 + i, min(block_m, n - i), first + i)
              for b, t0, n, first in spans for i in range(0, n, block_m)]
     tiles.sort(key=lambda tl: -(tl[3] + tl[2]))  # longest first: better load balance
@@ -114,11 +136,13 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
     return TritonAttentionPlan(
         dec_seq=ints(dec_seq), dec_pos=ints(dec_pos), dec_row=ints(dec_row),
         dec_max_splits=max(dec_pos, default=0) // split + 1,
-        tiles=ints(tiles).view(-1, 4), block_m=block_m, split_size=split, flat=flat)
+        tiles=ints(tiles).view(-1, 4), block_m=block_m, split_size=split, flat=flat,
+        launch=launch)
 
 
 def plan_decode(meta: AttentionMetadata, positions: torch.Tensor, max_splits: int,
-                split_size: int | None = None) -> TritonAttentionPlan:
+                split_size: int | None = None, launch: AttentionLaunch = DEFAULT_LAUNCH
+                ) -> TritonAttentionPlan:
     """A pure-decode plan over device tensors the caller owns (CUDA-graph inputs): row i is
     sequence i's one query at ``positions[i]``; the split grid is ``max_splits`` wide (programs
     past a token's last split return at once), so it may be captured once and replayed."""
@@ -127,7 +151,7 @@ def plan_decode(meta: AttentionMetadata, positions: torch.Tensor, max_splits: in
     return TritonAttentionPlan(
         dec_seq=rows, dec_pos=positions, dec_row=rows, dec_max_splits=max_splits,
         tiles=torch.empty(0, 4, dtype=torch.int32, device=positions.device), block_m=64,
-        split_size=split_size or meta.split_size)
+        split_size=split_size or meta.split_size, launch=launch)
 
 
 def _counters(p: TritonAttentionPlan, n: int, device: torch.device) -> torch.Tensor:
@@ -177,8 +201,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     c, bt = scale * LOG2E, meta.block_tables
     part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
     part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
-    fused = LAUNCH["fused_merge"]  # off: measured no faster on the H200 (NOTES-kernels.md)
-    stages = max(2, min(LAUNCH["merge_stages"], p.dec_max_splits))
+    la = p.launch
+    fused = la.fused_merge
+    stages = max(2, min(la.merge_stages, p.dec_max_splits))
     counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
     rows = max(16, triton.next_power_of_2(hq // hkv))
     if _gluon_decode_fits(q, meta, p, hq // hkv):
@@ -194,25 +219,25 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
             hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c,
             G=hq // hkv, ROWS=rows, **_common(q, meta, p), FUSED=fused, STAGES=stages,
-            TRANS=LAUNCH["split_trans"], num_warps=LAUNCH["split_warps"],
-            num_stages=LAUNCH["split_stages"], enable_fp_fusion=False)
-    scan = LAUNCH["merge_scan"]
+            TRANS=la.split_trans, num_warps=la.split_warps,
+            num_stages=la.split_stages, enable_fp_fusion=False)
+    scan = la.merge_scan
     if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
-        scan = p.dec_max_splits >= LAUNCH["merge_scan_min_splits"]
+        scan = p.dec_max_splits >= la.merge_scan_min_splits
     if not fused and scan:
         part_a = torch.empty_like(part_ml)
         _merge_scan_kernel[(n_dec, hq)](
             part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
             p.dec_max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
             NS=triton.next_power_of_2(p.dec_max_splits), STAGES=stages,
-            num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
+            num_warps=la.merge_warps, enable_fp_fusion=False)
     elif not fused:
-        hb = LAUNCH["merge_heads"]
+        hb = la.merge_heads
         _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
             part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
             p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
             SPLIT=p.split_size, STAGES=stages,
-            num_warps=LAUNCH["merge_warps"], enable_fp_fusion=False)
+            num_warps=la.merge_warps, enable_fp_fusion=False)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -232,7 +257,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
         BLOCK_M=p.block_m, FLAT=p.flat, **_common(q, meta, p),
         num_warps=4 if p.block_m <= 64 else 8,
-        num_stages=LAUNCH["prefill_stages"] or (3 if p.block_m <= 64 else 2),
+        num_stages=p.launch.prefill_stages or (3 if p.block_m <= 64 else 2),
         enable_fp_fusion=False)
 
 
@@ -249,7 +274,7 @@ def _is_sm90(index: int | None) -> bool:
 def _gluon_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:
     """The Gluon prefill kernel covers the engine's case on Hopper: 16-bit dtypes, head dim 64
     or 128, one 128-key block per split, 128-query tiles, pages of at most 128 keys."""
-    return (LAUNCH["prefill_gluon"] and _gluon_common(q, meta, p) and p.block_m == 128
+    return (p.launch.prefill_gluon and _gluon_common(q, meta, p) and p.block_m == 128
             and not p.flat and q.stride(1) == q.shape[-1])
 
 
@@ -257,7 +282,8 @@ def _gluon_decode_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttent
                        g: int) -> bool:
     """The Gluon split kernel: the same case (up to 64 query heads per kv head), for the
     transposed unfused split schedule."""
-    return (LAUNCH["decode_gluon"] and LAUNCH["split_trans"] and not LAUNCH["fused_merge"]
+    la = p.launch
+    return (la.decode_gluon and la.split_trans and not la.fused_merge
             and _gluon_common(q, meta, p) and g <= 64)
 
 
