@@ -79,6 +79,10 @@ class Tokenizer:
         """The vocabulary entry of one token (byte-level pieces spell bytes: 'Ġ' is a space)."""
         return self._tok.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (what grammar backends read its metadata from)."""
+        return self._tok.to_str()
+
     @property
     def byte_level(self) -> bool:
         return isinstance(self._tok.decoder, decoders.ByteLevel)

@@ -79,9 +79,13 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           indices: list[int]) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V])."""
+           indices: list[int], processed: torch.Tensor | None = None
+           ) -> tuple[list[int], torch.Tensor]:
+    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V]). Tokens are drawn
+    from ``processed`` (the logits after per-request processors and grammar masks) when given;
+    the reported logprobs are always the raw distribution's."""
     logprobs = ops.log_softmax(logits)
+    logits = logits if processed is None else processed
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
