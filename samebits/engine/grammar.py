@@ -80,7 +80,11 @@ class GrammarCompiler:
     def _xgr(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise ValueError("structured output needs xgrammar: pip install "
+                                     "'samebits[structured]'") from None
                 tok = self._tokenizer
                 vocab = [tok.id_to_piece(i) or "" for i in range(tok.vocab_size)]
                 vocab += [""] * (self._vocab_size - len(vocab))
