@@ -161,6 +161,12 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (then content may be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # what the openai SDK's message.model_dump() adds to an assistant message sent back: accepted
+    # only empty, since they would change nothing
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _has_content(self):

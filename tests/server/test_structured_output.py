@@ -99,3 +99,14 @@ def test_invalid_constraint_is_a_400_naming_the_field(server, body, field):
         server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
                                                 extra_body=body)
     assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_chat_template_kwargs_are_accepted_but_may_not_replace_messages(server):
+    client = server.client()
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
+                                        extra_body={"chat_template_kwargs": {"unused": 1}})
+    assert ok.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"

@@ -92,9 +92,10 @@ def test_tool_choice_plans_and_errors_name_the_field():
 
 
 def test_server_emitted_assistant_message_is_accepted_back():
-    returned = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    returned = {"role": "assistant", "content": None, "refusal": None, "annotations": None,
+                "audio": None, "function_call": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     req = _req(messages=[{"role": "user", "content": "hi"}, returned,
                          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     assert req.messages[1].tool_calls[0].function.name == "get_weather"
