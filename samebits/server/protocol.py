@@ -37,19 +37,25 @@ class StreamOptions(_Request):
 
 
 # ---- structured output and tools (the logic: server/structured.py, server/tools.py) -----------
-class JsonSchemaSpec(_Request):
+class _Strict(_Request):
+    """A constraint's fields: one samebits does not know would change the output, so it is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaSpec(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class StructuredOutputsRequest(_Request):
+class StructuredOutputsRequest(_Strict):
     """vLLM's ``structured_outputs``: exactly one of these."""
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
@@ -75,7 +81,7 @@ class NamedFunction(_Request):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 

@@ -93,7 +93,8 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(server):
      "response_format"),
     ({"guided_regex": "(("}, "guided_regex"),
     ({"structured_outputs": {"grammar": 'root ::= "a" |'}}, "structured_outputs"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex")])
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs")])
 def test_invalid_constraint_is_a_400_naming_the_field(server, body, field):
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
