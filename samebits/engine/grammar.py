@@ -163,4 +163,5 @@ def _ebnf_string(text: str) -> str:
 
 def _clean(e: Exception) -> str:
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    message = message.split(" The JSON string is:")[0]  # never echo the request back
     return _CPP_PREFIX.sub("", message).strip()

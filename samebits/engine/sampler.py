@@ -6,8 +6,8 @@ the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the fi
 Filters: top-k (exactly k tokens; among equal logits the lowest ids) and top-p on one stable sort,
 through fixed 16-row tiles so a row's cumulative sums never depend on its neighbours; min-p
 (``exp(x - max) >= min_p``, no reduction). Greedy is ``argmax``
-of the raw logits; ties go to the lowest token id. Reported logprobs are ``log_softmax`` of the raw
-fp32 logits through the invariant backend.
+of the logits (after per-request processing: grammar masks); ties go to the lowest token id.
+Reported logprobs are ``log_softmax`` of the raw fp32 logits through the invariant backend.
 """
 
 from __future__ import annotations

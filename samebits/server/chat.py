@@ -37,6 +37,7 @@ from samebits.server.serving import (
 from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tokens import TextStream
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
+from samebits.structured_outputs import StructuredOutputsParams
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -44,13 +45,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  ) -> ChatCompletionResponse | StreamingResponse:
     ctx.check_model(req.model)
     plan = tool_plan(req)
-    spec, field = requested_constraint(req)
-    if plan.constraint is not None:
-        if spec is not None:
-            raise APIError(400, f"tool_choice: {plan.mode!r} constrains the output, so {field} "
-                           "cannot be given too", param="tool_choice")
-        spec, field = plan.constraint, "tools"
-    await check_constraint(ctx, spec, field)
+    spec = await _constraint(ctx, req, plan)
     ids = ctx.encode(_render(ctx, req), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.max_model_len - len(ids)
     ctx.check_length(ids, max_tokens, "messages")
@@ -66,6 +61,19 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     outputs = await collect(ctx, group, request)
     choices = [_choice(ctx, req, plan, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
     return ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+
+
+async def _constraint(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan
+                      ) -> StructuredOutputsParams | None:
+    """The output constraint: a forced tool call's, or the request's own; compiled (400s)."""
+    spec, field = requested_constraint(req)
+    if plan.constraint is not None:
+        if spec is not None:
+            raise APIError(400, f"tool_choice: {plan.mode!r} constrains the output, so {field} "
+                           "cannot be given too", param="tool_choice")
+        spec, field = plan.constraint, "tools"
+    await check_constraint(ctx, spec, field)
+    return spec
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:

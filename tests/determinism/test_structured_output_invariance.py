@@ -61,6 +61,15 @@ def test_constrained_outputs_satisfy_their_constraints(invariant_runs):
     assert texts[2] in ("yes", "no")
 
 
+def test_reported_logprobs_are_the_raw_distributions_not_the_masked_ones(invariant_runs):
+    llm, alone, _ = invariant_runs
+    prompts = [llm.tokenizer.encode(PROMPTS[i]) for i in CONSTRAINED]
+    scored = llm.score([p + ids for p, (ids, _) in zip(prompts, alone, strict=True)])
+    for p, (_, logprobs), s in zip(prompts, alone, scored, strict=True):
+        assert s[len(p) - 1:] == logprobs  # teacher-forced, unconstrained: bitwise equal
+    assert any(lp < -1e-3 for _, lps in alone for lp in lps), "masking would renormalise"
+
+
 def test_negative_control_standard_mode_differs_alone_vs_batch():
     alone, batched = _alone_and_batched(LLM(max_num_seqs=16, batch_invariant=False))
     assert alone != batched, "standard mode should show batch variance"
