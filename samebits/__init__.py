@@ -3,9 +3,10 @@
 from samebits.engine.sequence import RequestOutput
 from samebits.llm import LLM
 from samebits.sampling_params import SamplingParams
+from samebits.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "batch_invariant"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "batch_invariant"]
 
 
 def __getattr__(name: str):

@@ -86,6 +86,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-model", default=None, metavar="DEFAULT|PATH",
                    help="also serve /v1/embeddings from this embedding model, beside the "
                    "generation model (DEFAULT: all-MiniLM-L6-v2)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template (a file, or the template text) to use instead of "
+                   "the model's own")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 

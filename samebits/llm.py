@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from samebits.chat_template import render_chat
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.sequence import RequestOutput
@@ -70,14 +71,18 @@ class LLM:
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             use_tqdm: bool = False, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (the model's, or ``chat_template``) to each conversation, with
+        ``tools`` and extra template variables, then generate (samebits.chat_template)."""
         self._require_generate()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        prompts = [render_chat(self.tokenizer, c, tools, chat_template, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def score(self, token_id_lists: Seq[Seq[int]]) -> list[list[float]]:

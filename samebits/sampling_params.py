@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from samebits.structured_outputs import StructuredOutputsParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +20,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top logprobs per generated token
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (grammar.py)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -41,6 +44,9 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         self._check_stops()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_stops(self) -> None:
         stops = self.stop

@@ -79,20 +79,30 @@ class Tokenizer:
         """The vocabulary entry of one token (byte-level pieces spell bytes: 'Ġ' is a space)."""
         return self._tok.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (what grammar backends read its metadata from)."""
+        return self._tok.to_str()
+
     @property
     def byte_level(self) -> bool:
         return isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+                            add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None,
+                            template: str | None = None, **kwargs: Any) -> str:
+        """Render ``template`` (default: the model's) with ``messages``, ``tools`` and any extra
+        template variables ``kwargs`` (a request's ``chat_template_kwargs``)."""
+        template = template or self.chat_template
+        if not template:
             raise ValueError("this model's tokenizer has no chat template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "add_generation_prompt": add_generation_prompt, **kwargs,
+                   "messages": messages, "tools": tools}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return env.from_string(template).render(**context)
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from samebits.config import EngineConfig
+from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
@@ -35,6 +36,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.loaded.model_config.vocab_size,
+                                         self._eos) if self.tokenizer is not None else None)
         if self.runner.device.type == "cuda":
             self._warm_up()
 
@@ -56,11 +59,24 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
+        grammar = self._grammar(params) if not score_only else None
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only,
+                       grammar=grammar)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        """The request's own grammar matcher (structured output), or None."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        try:
+            return self.grammars.state(params.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
 
     def _check_prompt(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -114,6 +130,8 @@ class LLMEngine:
                       top: dict[int, float]) -> None:
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         if seq.params.logprobs is not None:
             seq.top_logprobs.append(top)
         reason = self._finish_reason(seq, token)
@@ -123,6 +141,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (token in self._eos and not p.ignore_eos) or token in (p.stop_token_ids or ()):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.terminated:  # a complete output, then a stop token
             return "stop"
         if p.stop_strings and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids)

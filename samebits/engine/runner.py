@@ -10,6 +10,7 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
+from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
@@ -140,9 +141,10 @@ class ModelRunner:
                 result: StepResult) -> None:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
+        processed = apply_grammar_masks(logits, seqs)  # per row; logits stay raw for logprobs
         tokens, logprobs = sampler.sample(
             self.model.ops, logits, [s.params for s in seqs], [s.seed for s in seqs],
-            [len(s.output_token_ids) for s in seqs])
+            [len(s.output_token_ids) for s in seqs], processed)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
         result.sampled, result.tokens = seqs, tokens
         result.logprobs = chosen.tolist()

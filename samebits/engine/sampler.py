@@ -5,7 +5,8 @@ The noise for token ``v`` of a request's ``i``-th generated token is a hash of (
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
 Filters on the temperature-scaled logits: top-k and top-p (``keep_mask``, one stable sort, masses
 in integer units so cumulative sums are exact) and min-p (``exp(x - max) >= min_p``); each row's
-decisions depend on that row alone. Greedy is ``argmax`` of the logits; ties go to the lowest token id.
+decisions depend on that row alone. Greedy is ``argmax`` of the logits (after per-request
+processing: grammar masks); ties go to the lowest token id.
 Reported logprobs are ``log_softmax`` of the raw fp32 logits through the invariant backend.
 """
 
@@ -99,9 +100,13 @@ def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> t
 
 
 def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           indices: list[int]) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V])."""
+           indices: list[int], processed: torch.Tensor | None = None
+           ) -> tuple[list[int], torch.Tensor]:
+    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V]). Tokens are drawn
+    from ``processed`` (the logits after per-request processors and grammar masks) when given;
+    the reported logprobs are always the raw distribution's."""
     logprobs = ops.log_softmax(logits)
+    logits = logits if processed is None else processed
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

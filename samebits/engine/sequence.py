@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from samebits.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from samebits.engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cut the text
+    grammar: GrammarState | None = None  # structured output: this request's matcher
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -67,7 +67,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
         loop = AsyncEngine(engine, metrics)
         ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
-                             TokenText(engine.tokenizer))
+                             TokenText(engine.tokenizer), engine.grammars)
     if embedder is not None:
         svc = EmbeddingService(embedder, embed_model_name, metrics)
         if engine is not None:
@@ -240,6 +240,16 @@ def load_embedder(args: argparse.Namespace, model: str | None, load_format: str 
     return LLM(model, **kwargs).embedder
 
 
+def read_chat_template(spec: str) -> str:
+    """``--chat-template``: a file's text, or the argument itself when it is a jinja template."""
+    path = Path(spec)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise ValueError(f"--chat-template: {spec!r} is neither a file nor a jinja template")
+
+
 def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
     """``--task embed``: only the embedding model ``--model``; otherwise the generation model,
     and beside it the embedding model ``--embed-model`` (DEFAULT or a path) when given."""
@@ -251,6 +261,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         name = args.served_model_name or embed_model_name(args.model)
         return build_app(None, None, api_key, embedder=embedder, embed_model_name=name)
     engine = LLMEngine(engine_config(args))
+    if getattr(args, "chat_template", None) and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = read_chat_template(args.chat_template)
     embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model

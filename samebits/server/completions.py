@@ -28,6 +28,7 @@ from samebits.server.serving import (
     submit,
     usage,
 )
+from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tokens import TextStream
 
 
@@ -41,7 +42,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         ctx.check_length(ids, max_tokens, "prompt")
-    params = sampling_params(req, max_tokens, req.logprobs)
+    spec, field = requested_constraint(req)
+    await check_constraint(ctx, spec, field)
+    params = sampling_params(req, max_tokens, req.logprobs, spec)
     response_id = new_id("cmpl")
     group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream)
     seed = await submit(ctx, group)

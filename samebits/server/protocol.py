@@ -36,6 +36,79 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# ---- structured output and tools (the logic: server/structured.py, server/tools.py) -----------
+class _Strict(_Request):
+    """A constraint's fields: one samebits does not know would change the output, so it is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaSpec(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share. ``None`` means the default."""
 
@@ -54,6 +127,12 @@ class SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM; guided_*: older aliases
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -86,11 +165,20 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (then content may be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # what the openai SDK's message.model_dump() adds to an assistant message sent back: accepted
+    # only empty, since they would change nothing
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _has_content(self):
-        if self.content is None:
-            raise ValueError("each message needs a content (a string or a list of text parts)")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("each message needs a content (a string or a list of text parts); "
+                             "only an assistant message with tool_calls may have none")
         return self
 
     def text(self) -> str:
@@ -105,6 +193,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls are always allowed
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
     @field_validator("top_logprobs")
     @classmethod
@@ -187,7 +279,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -207,6 +300,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

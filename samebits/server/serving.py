@@ -14,12 +14,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from samebits.engine.grammar import GrammarCompiler
 from samebits.engine.sequence import RequestOutput
 from samebits.sampling_params import SamplingParams
 from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.protocol import ErrorResponse, SamplingFields, Usage
 from samebits.server.tokens import TokenText
+from samebits.structured_outputs import StructuredOutputsParams
 from samebits.tokenizer import Tokenizer
 
 
@@ -31,6 +33,7 @@ class ServingContext:
     max_model_len: int
     fingerprint: str
     token_text: TokenText
+    grammars: GrammarCompiler | None = None  # structured output (the engine's compiler)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -56,8 +59,8 @@ class ServingContext:
                            code="context_length_exceeded")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None
-                    ) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The request's sampling parameters (choice 0's seed); engine-side checks become 400s."""
     defaults = SamplingParams()
     try:
@@ -66,7 +69,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None
             temperature=_or(req.temperature, defaults.temperature),
             top_p=_or(req.top_p, defaults.top_p), top_k=_or(req.top_k, defaults.top_k),
             min_p=_or(req.min_p, defaults.min_p), stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos)
+            ignore_eos=req.ignore_eos, structured_outputs=structured)
     except ValueError as e:
         raise from_value_error(e) from None
 

@@ -1,0 +1,81 @@
+"""Chat messages -> a prompt through the model's jinja chat template, tools included.
+
+A template that knows tools (it mentions ``tools``) gets them as the ``tools`` variable, and one
+that knows tool calls (it mentions ``tool_calls``) gets assistant ``tool_calls`` with their
+``arguments`` parsed into objects (as Hugging Face templates expect). A template that does not --
+the default model's ChatML template renders only ``role`` and ``content`` -- gets the Hermes
+convention instead, written into the messages: the tools as JSON inside ``<tools></tools>`` in the
+system message (one is added if the conversation has none), each assistant call as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in its content, and each tool result
+as ``<tool_response>...</tool_response>`` in a ``tool`` message. samebits' tool parser reads the
+same ``<tool_call>`` format back out of generated text (server/tools.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from samebits.tokenizer import Tokenizer
+
+TOOLS_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+    "Don't make assumptions about what values to plug into functions. Here are the available "
+    "tools:\n<tools>\n{tools}\n</tools>\nFor each function call, return a json object with the "
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None, template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text; ``ValueError`` when there is no template or it fails."""
+    template = template or tokenizer.chat_template
+    if not template:
+        raise ValueError("this model's tokenizer has no chat template")
+    if "tool_calls" in template:
+        messages = [_with_parsed_arguments(m) for m in messages]
+    else:
+        messages = [_hermes_message(m) for m in messages]
+    if tools and "tools" not in template:
+        messages, tools = _tools_in_system(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools=tools or None, template=template,
+                                         **(template_kwargs or {}))
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        fn = dict(call.get("function", {}))
+        try:
+            fn["arguments"] = json.loads(fn.get("arguments", "{}"))
+        except (TypeError, ValueError):
+            pass  # not JSON: the template gets the string
+        parsed.append({**call, "function": fn})
+    return {**message, "tool_calls": parsed}
+
+
+def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content") or ""
+    if message.get("role") == "tool":
+        return {"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    calls = [c["function"] for c in _with_parsed_arguments(message).get("tool_calls") or ()]
+    if calls:
+        blocks = [f"<tool_call>\n{json.dumps({'name': f['name'], 'arguments': f['arguments']})}"
+                  "\n</tool_call>" for f in calls]
+        content = "\n".join(([content] if content else []) + blocks)
+    return {"role": message["role"], "content": content}
+
+
+def _tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    section = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{section}".lstrip()},
+                *messages[1:]]
+    return [{"role": "system", "content": section}, *messages]
