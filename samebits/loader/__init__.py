@@ -14,6 +14,7 @@ from tqdm import tqdm
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
 from samebits.loader import dummy, hf
 from samebits.models.llama import LlamaForCausalLM
+from samebits.models.registry import model_class
 from samebits.ops.backend import get_backend
 from samebits.tokenizer import Tokenizer
 
@@ -61,7 +62,7 @@ def load(config: EngineConfig) -> LoadedModel:
     try:  # parameters in the target dtype; the rope tables are built in explicit fp32
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = LlamaForCausalLM(model_config, ops, max_len)
+            model = model_class(model_config.architecture)(model_config, ops, max_len)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
