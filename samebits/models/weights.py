@@ -25,12 +25,15 @@ from torch import nn
 from samebits.config import ModelFormatError
 
 
-def shard_view(param: torch.Tensor, shard: int | None) -> torch.Tensor:
-    """The rows of ``param`` that shard ``shard`` owns (all of it for a plain parameter)."""
+def shard_view(param: torch.Tensor, shard: int | None, of: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The rows of ``param`` (or of ``of``, a tensor shaped like it: its grad) that shard
+    ``shard`` owns (all of it for a plain parameter)."""
+    t = param.data if of is None else of
     if shard is None:
-        return param.data
+        return t
     sizes = param.shard_sizes
-    return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    return t.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
 def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: int | None = None
@@ -87,6 +90,12 @@ class WeightMap:
         """(HF name, the tensor's current values as a view) for every weight, unfused."""
         for hf in self.slots:
             yield hf, self.view(hf)
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, the gradient's rows for it, or None) for every weight."""
+        for hf, slot in self.slots.items():
+            p = self.params[slot.param]
+            yield hf, None if p.grad is None else shard_view(p, slot.shard, p.grad)
 
     def check(self, hf_name: str, tensor: torch.Tensor) -> str | None:
         """What is wrong with ``tensor`` as the new value of ``hf_name``, or None."""
