@@ -86,6 +86,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-model", default=None, metavar="DEFAULT|PATH",
                    help="also serve /v1/embeddings from this embedding model, beside the "
                    "generation model (DEFAULT: all-MiniLM-L6-v2)")
+    p.add_argument("--enable-weight-updates", action="store_true",
+                   help="add POST /v1/update_weights {\"path\": DIR}: swap in HF-named "
+                   "safetensors from DIR on the server between requests")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
