@@ -89,6 +89,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template (a file, or the template text) to use instead of "
                    "the model's own")
+    p.add_argument("--enable-weight-updates", action="store_true",
+                   help="add POST /v1/update_weights {\"path\": DIR}: swap in HF-named "
+                   "safetensors from DIR on the server between requests")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 

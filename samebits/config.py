@@ -15,14 +15,8 @@ from typing import Any
 import torch
 
 from samebits import env
+from samebits.models.registry import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES  # noqa: F401
 
-DECODER_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -13,29 +13,24 @@ import dataclasses
 import torch
 
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
-from samebits.embedder import Embedder, read_pooling, resolve_embed_model_dir
+from samebits.embedder import Embedder, resolve_embed_model_dir
 from samebits.engine.engine import LLMEngine
-from samebits.ops.encoder import get_encoder_ops
+from samebits.models.registry import is_decoder
 
 
 class DecoderEmbedder(Embedder):
-    def __init__(self, config: EngineConfig) -> None:  # not super().__init__: that builds a BERT
-        self.config = config
-        self.model_dir = resolve_embed_model_dir(config.model)
+    def _build(self) -> str:
+        """The decoder runs in an engine of its own; the vector is its final-norm hidden state."""
         self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
         if not (self.model_dir / "modules.json").is_file():
             raise ModelFormatError(f"{self.model_dir}: not an embedding model (a decoder without "
                                    "sentence-transformers modules.json and pooling config)")
-        self.pooling, self.normalize = read_pooling(self.model_dir)
         if self.pooling not in ("lasttoken", "cls"):
             raise ModelFormatError(f"{self.model_dir}: pooling {self.pooling!r} is not supported "
                                    "for decoder models; use lasttoken (or cls)")
-        self.engine = LLMEngine(dataclasses.replace(config, task="generate"))
+        self.engine = LLMEngine(dataclasses.replace(self.config, task="generate"))
         self.max_len = self.engine.max_model_len
-        self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.ops = get_encoder_ops(self.device, config.batch_invariant)
-        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
-        self.fingerprint = self.engine.fingerprint + f"-{self.pooling}{'-l2' if self.normalize else ''}"
+        return self.engine.fingerprint + f"-{self.pooling}{'-l2' if self.normalize else ''}"
 
     @torch.inference_mode()
     def _forward(self, ids: list[list[int]]) -> list[list[float]]:
@@ -50,5 +45,4 @@ def is_decoder_model(config: EngineConfig) -> bool:
     if config.model is None:
         return False
     raw = read_json(resolve_embed_model_dir(config.model) / "config.json")
-    return (raw.get("architectures") or [None])[0] in (
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    return is_decoder((raw.get("architectures") or [None])[0])

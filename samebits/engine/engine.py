@@ -6,6 +6,7 @@ bits; that is the ops' job (samebits.ops.backend) and the sampler's (counter-bas
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from samebits.engine.runner import ModelRunner, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import RequestOutput, Sequence
 from samebits.loader import LoadedModel, load
+from samebits.models.weights import update_weights
 from samebits.sampling_params import SamplingParams
 
 
@@ -175,6 +177,28 @@ class LLMEngine:
         """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
         with torch.inference_mode():
             return self.runner.model.compute_logits(self.prompt_hidden(token_ids))
+
+    # ---- weights --------------------------------------------------------------------------
+    def update_weights(self, named_tensors) -> str:
+        """Copy HF-named tensors into the model in place (all or nothing; see
+        ``samebits.models.weights.update_weights``) and re-key the numerics; the new fingerprint.
+
+        In place, so captured CUDA graphs keep reading the right memory. Only while idle: a
+        request never mixes old and new weights.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("update_weights: requests are in flight; drain the engine first")
+        items = update_weights(self.runner.model, named_tensors)
+        h = hashlib.sha256(self.fingerprint.encode())
+        for name, tensor in sorted(items, key=lambda it: it[0]):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self.fingerprint = self.loaded.fingerprint = "fp_" + h.hexdigest()[:16]
+        hook = getattr(self.runner.model.ops, "weights_updated", None)
+        if hook is not None:  # a backend that keeps repacked weights refreshes them
+            hook(self.runner.model)
+        self.kv.set_fingerprint(self.fingerprint)
+        return self.fingerprint
 
     # ---- outputs --------------------------------------------------------------------------
     def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:

@@ -77,7 +77,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.set_fingerprint(fingerprint)
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """Key every block hash from now on by ``fingerprint`` (new weights): blocks cached under
+        the old one are forgotten, and no new hash can equal an old one (the root differs)."""
         self._root = hashlib.sha256(f"samebits-kv|{fingerprint}".encode()).digest()
+        self.pool.cached.clear()
+        self.pool.block_hash = [None] * self.pool.num_blocks
 
     def _hash(self, parent: bytes, tokens: list[int]) -> bytes:
         h = hashlib.sha256(parent)

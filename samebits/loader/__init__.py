@@ -14,6 +14,7 @@ from tqdm import tqdm
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
 from samebits.loader import dummy, hf
 from samebits.models.llama import LlamaForCausalLM
+from samebits.models.registry import model_class
 from samebits.ops.backend import get_backend
 from samebits.tokenizer import Tokenizer
 
@@ -57,13 +58,7 @@ def load(config: EngineConfig) -> LoadedModel:
     max_len = config.max_model_len or model_config.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
-    default_dtype = torch.get_default_dtype()
-    try:  # parameters in the target dtype; the rope tables are built in explicit fp32
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config, ops, max_len)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = build_model(model_config, ops, max_len, device, dtype)
     if config.load_format == "dummy":
         dummy.init_dummy_weights(model, config.seed)
         digest = dummy.dummy_digest(raw_cfg, config.seed)
@@ -76,6 +71,18 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
     return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
                        fingerprint(digest, dtype, config, ops.name))
+
+
+def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
+                dtype: torch.dtype) -> LlamaForCausalLM:
+    """The registry's class for the architecture, parameters uninitialised on ``device``."""
+    default_dtype = torch.get_default_dtype()
+    try:  # parameters in the target dtype; the rope tables are built in explicit fp32
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            return model_class(model_config.architecture)(model_config, ops, max_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: str) -> str:

@@ -9,7 +9,6 @@ rows of the flat batch, H = hidden size.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.config import ENCODER_ARCHITECTURES, ModelFormatError
+from samebits.models.weights import fused_param, packed_hf_names
 from samebits.ops.encoder import EncoderOps, SeqLayout
 
 
@@ -76,7 +76,7 @@ class BertLayer(nn.Module):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.heads, self.d, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.layer_norm_eps
-        self.qkv_proj, self.qkv_bias = _param(3 * h, h), _param(3 * h)
+        self.qkv_proj, self.qkv_bias = fused_param([h] * 3, h), fused_param([h] * 3)
         self.o_proj, self.o_bias = _param(h, h), _param(h)
         self.attn_ln_w, self.attn_ln_b = _param(h), _param(h)
         self.up_proj, self.up_bias = _param(i, h), _param(i)
@@ -118,59 +118,42 @@ class BertModel(nn.Module):
             h = layer(self.ops, h, layout)
         return h
 
+    # ---- HF names (samebits.models.weights) ----------------------------------------------
+    packed_modules_mapping = {"attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1),
+                              "attention.self.value": ("qkv", 2)}
+
+    def hf_names(self, param_name: str) -> list[str]:
+        """HF tensor name of each shard of parameter ``param_name`` (no ``bert.`` prefix)."""
+        if param_name in _TOP:
+            return [_TOP[param_name]]
+        _, i, leaf = param_name.split(".")
+        prefix = f"encoder.layer.{i}."
+        if leaf in ("qkv_proj", "qkv_bias"):
+            return packed_hf_names(self, prefix, "qkv", "weight" if leaf == "qkv_proj" else "bias")
+        return [prefix + _LAYER_NAMES[leaf]]
+
+    def hf_rename(self, name: str) -> str:
+        return name.removeprefix("bert.")
+
+    def hf_ignored(self, name: str) -> bool:
+        """The pooler, the MLM head and the position-id buffer fill no parameter."""
+        return name.startswith(("pooler.", "cls.")) or name == "embeddings.position_ids"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (``bert.`` prefix optional; pooler / MLM head ignored), fusing
-        q/k/v; every parameter must be written exactly once, with its exact shape."""
-        params = dict(self.named_parameters())
-        written: set[tuple[str, int]] = set()
-        for name, tensor in weights:
-            target = _target(name)
-            if target is None:
-                continue
-            attr, part = target
-            if attr not in params:
-                raise ModelFormatError(f"checkpoint: tensor {name!r} does not fit this model")
-            dest = params[attr].data
-            if part is not None:
-                size = dest.shape[0] // 3
-                dest = dest.narrow(0, part * size, size)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelFormatError(f"checkpoint: tensor {name!r} has shape "
-                                       f"{tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            written.add((attr, part or 0))
-        for attr in params:
-            for part in range(3 if attr.endswith(("qkv_proj", "qkv_bias")) else 1):
-                if (attr, part) not in written:
-                    raise ModelFormatError(f"checkpoint: no tensor for parameter {attr!r}")
+        """Copy HF-named tensors in (``bert.`` prefix optional), fusing q/k/v; every parameter
+        must be written exactly once, with its exact shape."""
+        from samebits.models.weights import load_weights
+        load_weights(self, weights)
 
 
-_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)$")
-_LAYER_NAMES = {  # HF suffix -> (our attribute, part of the fused q/k/v or None)
-    "attention.self.query.weight": ("qkv_proj", 0), "attention.self.key.weight": ("qkv_proj", 1),
-    "attention.self.value.weight": ("qkv_proj", 2), "attention.self.query.bias": ("qkv_bias", 0),
-    "attention.self.key.bias": ("qkv_bias", 1), "attention.self.value.bias": ("qkv_bias", 2),
-    "attention.output.dense.weight": ("o_proj", None), "attention.output.dense.bias": ("o_bias", None),
-    "attention.output.LayerNorm.weight": ("attn_ln_w", None),
-    "attention.output.LayerNorm.bias": ("attn_ln_b", None),
-    "intermediate.dense.weight": ("up_proj", None), "intermediate.dense.bias": ("up_bias", None),
-    "output.dense.weight": ("down_proj", None), "output.dense.bias": ("down_bias", None),
-    "output.LayerNorm.weight": ("out_ln_w", None), "output.LayerNorm.bias": ("out_ln_b", None),
+_LAYER_NAMES = {  # our per-layer attribute -> HF suffix (q/k/v come from packed_modules_mapping)
+    "o_proj": "attention.output.dense.weight", "o_bias": "attention.output.dense.bias",
+    "attn_ln_w": "attention.output.LayerNorm.weight", "attn_ln_b": "attention.output.LayerNorm.bias",
+    "up_proj": "intermediate.dense.weight", "up_bias": "intermediate.dense.bias",
+    "down_proj": "output.dense.weight", "down_bias": "output.dense.bias",
+    "out_ln_w": "output.LayerNorm.weight", "out_ln_b": "output.LayerNorm.bias",
 }
-_TOP = {"embeddings.word_embeddings.weight": "word_embeddings",
-        "embeddings.position_embeddings.weight": "position_embeddings",
-        "embeddings.token_type_embeddings.weight": "token_type_embeddings",
-        "embeddings.LayerNorm.weight": "emb_ln_w", "embeddings.LayerNorm.bias": "emb_ln_b"}
-
-
-def _target(name: str) -> tuple[str, int | None] | None:
-    name = name.removeprefix("bert.")
-    if name in _TOP:
-        return _TOP[name], None
-    if name.startswith(("pooler.", "cls.")) or name == "embeddings.position_ids":
-        return None
-    m = _LAYER.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        attr, part = _LAYER_NAMES[m.group(2)]
-        return f"layers.{m.group(1)}.{attr}", part
-    raise ModelFormatError(f"checkpoint: unexpected tensor {name!r}")
+_TOP = {"word_embeddings": "embeddings.word_embeddings.weight",
+        "position_embeddings": "embeddings.position_embeddings.weight",
+        "token_type_embeddings": "embeddings.token_type_embeddings.weight",
+        "emb_ln_w": "embeddings.LayerNorm.weight", "emb_ln_b": "embeddings.LayerNorm.bias"}

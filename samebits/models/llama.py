@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.config import ModelConfig, ModelFormatError
+from samebits.models.weights import fused_param, packed_hf_names
 from samebits.ops.backend import AttentionMetadata, OpBackend, store_kv
 
 
@@ -62,8 +63,9 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.qkv_proj = _param((self.hq + 2 * self.hkv) * self.d, cfg.hidden_size)
-        self.qkv_bias = _param((self.hq + 2 * self.hkv) * self.d) if cfg.attention_bias else None
+        shards = [self.hq * self.d, self.hkv * self.d, self.hkv * self.d]  # q, k, v rows
+        self.qkv_proj = fused_param(shards, cfg.hidden_size)
+        self.qkv_bias = fused_param(shards) if cfg.attention_bias else None
         self.o_proj = _param(cfg.hidden_size, self.hq * self.d)
         self.q_norm = _param(self.d) if cfg.qk_norm else None
         self.k_norm = _param(self.d) if cfg.qk_norm else None
@@ -87,8 +89,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.gate_up_bias = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        shards = [cfg.intermediate_size] * 2  # gate, up rows
+        self.gate_up_proj = fused_param(shards, cfg.hidden_size)
+        self.gate_up_bias = fused_param(shards) if cfg.mlp_bias else None
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
         self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
 
@@ -144,7 +147,32 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.ops.linear(hidden, w).float()
 
+    # ---- HF names (samebits.models.weights) ----------------------------------------------
+    packed_modules_mapping = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+                              "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+
+    def hf_names(self, param_name: str) -> list[str]:
+        """HF tensor name of each shard of parameter ``param_name``."""
+        if param_name in _TOP:
+            return [_TOP[param_name]]
+        head, _, leaf = param_name.rpartition(".")  # "layers.3.self_attn", "qkv_proj"
+        prefix = f"model.{head}."
+        stem, kind = (leaf[:-5], "bias") if leaf.endswith("_bias") else (leaf[:-5], "weight")
+        if stem in ("qkv", "gate_up"):
+            return packed_hf_names(self, prefix, stem, kind)
+        if kind == "bias" or leaf.endswith("_proj"):
+            return [f"{prefix}{stem}_proj.{kind}"]
+        return [f"{prefix}{leaf}.weight"]  # norms
+
+    def hf_ignored(self, name: str) -> bool:
+        """Checkpoint tensors that fill no parameter: rotary tables, a tied head's copy."""
+        return "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
-        from samebits.models.weights import load_llama_weights
-        load_llama_weights(self, weights)
+        from samebits.models.weights import load_weights
+        load_weights(self, weights)
+
+
+_TOP = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
+        "lm_head": "lm_head.weight"}

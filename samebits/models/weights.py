@@ -1,99 +1,157 @@
-"""HF checkpoint names -> the decoder's (fused) parameters.
+"""The one weight loader: Hugging Face tensor names <-> a model's (possibly fused) parameters.
 
-q/k/v projections land in row slices of ``qkv_proj`` (in that order), gate/up in ``gate_up_proj``.
-Loading checks every shape and that every parameter slice was written exactly once, so a
-checkpoint with a missing or misshapen tensor fails with a message that names it.
+Every model class declares, as nano-vllm does:
+
+- ``packed_modules_mapping``: HF module name -> (fused parameter stem, shard index), e.g.
+  ``"q_proj": ("qkv", 0)``; a fused parameter holds its shards as row blocks, in shard order;
+- ``hf_names(param_name) -> list[str]``: the HF tensor name of each shard of one parameter (one
+  name for a plain parameter), and ``hf_ignored(name)``: checkpoint tensors that fill nothing
+  (rotary tables, a tied LM head's copy, a BERT pooler).
+
+A fused parameter carries ``shard_sizes`` (rows per shard) and a per-parameter ``weight_loader``
+(``param.weight_loader(param, tensor, shard)``) that copies one shard in; plain parameters use
+``default_weight_loader``. ``WeightMap`` joins the two directions, so loading a checkpoint,
+``update_weights`` and ``named_weights`` all use the same mapping.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from samebits.config import ModelFormatError
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_FUSED = {  # HF suffix -> (our attribute path, slice index)
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj", 2),
-    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
-    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
-    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj", 1),
-    "mlp.gate_proj.bias": ("mlp.gate_up_bias", 0),
-    "mlp.up_proj.bias": ("mlp.gate_up_bias", 1),
-}
-_PLAIN = {
-    "self_attn.o_proj.weight": "self_attn.o_proj",
-    "self_attn.q_norm.weight": "self_attn.q_norm",
-    "self_attn.k_norm.weight": "self_attn.k_norm",
-    "mlp.down_proj.weight": "mlp.down_proj",
-    "mlp.down_proj.bias": "mlp.down_bias",
-    "input_layernorm.weight": "input_layernorm",
-    "post_attention_layernorm.weight": "post_attention_layernorm",
-}
-_TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
-        "lm_head.weight": "lm_head"}
+
+def shard_view(param: torch.Tensor, shard: int | None, of: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The rows of ``param`` (or of ``of``, a tensor shaped like it: its grad) that shard
+    ``shard`` owns (all of it for a plain parameter)."""
+    t = param.data if of is None else of
+    if shard is None:
+        return t
+    sizes = param.shard_sizes
+    return t.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
-def _slices(model: nn.Module, attr: str) -> list[int]:
-    """Row counts of the parts fused into ``attr``."""
-    cfg = model.cfg
-    if attr.endswith(("qkv_proj", "qkv_bias")):
-        return [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
-    return [cfg.intermediate_size] * 2
+def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: int | None = None
+                          ) -> None:
+    shard_view(param, shard).copy_(tensor)
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, int | None] | None:
-    if name in _TOP:
-        if name == "lm_head.weight" and model.lm_head is None:
-            return None  # tied: some checkpoints still carry a copy
-        return _TOP[name], None
-    m = _LAYER.match(name)
-    if not m or "rotary_emb" in name:
+def fused_param(shard_sizes: list[int], *trailing: int) -> nn.Parameter:
+    """A parameter of ``sum(shard_sizes)`` rows made of row-block shards, with its loader."""
+    p = nn.Parameter(torch.empty(sum(shard_sizes), *trailing), requires_grad=False)
+    p.shard_sizes = list(shard_sizes)
+    p.weight_loader = default_weight_loader
+    return p
+
+
+def packed_hf_names(model: nn.Module, prefix: str, stem: str, suffix: str) -> list[str]:
+    """HF names of the shards of fused ``stem`` (``qkv``) from ``packed_modules_mapping``."""
+    parts = sorted((shard, hf) for hf, (fused, shard) in model.packed_modules_mapping.items()
+                   if fused == stem)
+    return [f"{prefix}{hf}.{suffix}" for _, hf in parts]
+
+
+@dataclass(frozen=True)
+class Slot:
+    param: str  # our parameter name (``named_parameters`` key)
+    shard: int | None  # row block of a fused parameter, None for a plain one
+
+
+class WeightMap:
+    """Both directions between HF names and parameter slots of one model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.slots: dict[str, Slot] = {}
+        for pname, p in self.params.items():
+            names = model.hf_names(pname)
+            fused = hasattr(p, "shard_sizes")
+            if fused and len(names) != len(p.shard_sizes):
+                raise AssertionError(f"{pname}: {len(names)} names for {len(p.shard_sizes)} shards")
+            for shard, hf in enumerate(names):
+                self.slots[hf] = Slot(pname, shard if fused else None)
+
+    def view(self, hf_name: str) -> torch.Tensor:
+        slot = self.slots[hf_name]
+        return shard_view(self.params[slot.param], slot.shard)
+
+    def write(self, hf_name: str, tensor: torch.Tensor) -> None:
+        slot = self.slots[hf_name]
+        param = self.params[slot.param]
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, slot.shard)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, the tensor's current values as a view) for every weight, unfused."""
+        for hf in self.slots:
+            yield hf, self.view(hf)
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, the gradient's rows for it, or None) for every weight."""
+        for hf, slot in self.slots.items():
+            p = self.params[slot.param]
+            yield hf, None if p.grad is None else shard_view(p, slot.shard, p.grad)
+
+    def check(self, hf_name: str, tensor: torch.Tensor) -> str | None:
+        """What is wrong with ``tensor`` as the new value of ``hf_name``, or None."""
+        if hf_name not in self.slots:
+            return f"{hf_name!r} is not a weight of this model"
+        dest = self.view(hf_name)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            return f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        if tensor.dtype != dest.dtype:
+            return f"{hf_name!r} has dtype {tensor.dtype}, expected {dest.dtype}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{hf_name!r} holds non-finite values (inf or nan)"
         return None
-    prefix, suffix = f"layers.{m.group(1)}.", m.group(2)
-    if suffix in _FUSED:
-        attr, part = _FUSED[suffix]
-        return prefix + attr, part
-    if suffix in _PLAIN:
-        return prefix + _PLAIN[suffix], None
-    raise ModelFormatError(f"checkpoint: unexpected tensor {name!r}")
 
 
-def load_llama_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    params = dict(model.named_parameters())
-    written: set[tuple[str, int | None]] = set()
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy a whole checkpoint in: every weight exactly once, each with its exact shape."""
+    wmap, written = WeightMap(model), set()
+    rename = getattr(model, "hf_rename", lambda n: n)
     for name, tensor in weights:
-        target = _target(model, name)
-        if target is None:
-            continue
-        attr, part = target
-        if attr not in params:
-            raise ModelFormatError(f"checkpoint: tensor {name!r} does not fit this architecture")
-        dest = params[attr].data
-        if part is not None:
-            sizes = _slices(model, attr)
-            dest = dest.narrow(0, sum(sizes[:part]), sizes[part])
+        name = rename(name)
+        if name not in wmap.slots:
+            if model.hf_ignored(name):
+                continue
+            raise ModelFormatError(f"checkpoint: unexpected tensor {name!r}")
+        dest = wmap.view(name)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelFormatError(f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                    f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
-        written.add(target)
-    _check_complete(model, params, written)
+        wmap.write(name, tensor)
+        written.add(name)
+    missing = [n for n in wmap.slots if n not in written]
+    if missing:
+        raise ModelFormatError(f"checkpoint: no tensor for {missing[0]!r}"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
-def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
-                    written: set[tuple[str, int | None]]) -> None:
-    for attr in params:
-        fused = attr.endswith(("qkv_proj", "qkv_bias", "gate_up_proj", "gate_up_bias"))
-        parts = range(len(_slices(model, attr))) if fused else [None]
-        for part in parts:
-            if (attr, part) not in written:
-                raise ModelFormatError(f"checkpoint: no tensor for parameter {attr!r}"
-                                       + (f" (part {part})" if part is not None else ""))
+def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Validate every tensor first, then copy all in place (all or nothing); the checked list.
+
+    Raises ``ValueError`` naming the first bad parameter; the model is then unchanged.
+    """
+    wmap = WeightMap(model)
+    items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    seen: set[str] = set()
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} is not a tensor")
+        problem = wmap.check(name, tensor)
+        if problem is None and name in seen:
+            problem = f"{name!r} is given twice"
+        if problem is not None:
+            raise ValueError(f"update_weights: {problem}; no weight was changed")
+        seen.add(name)
+    with torch.no_grad():
+        for name, tensor in items:
+            wmap.write(name, tensor.to(wmap.view(name).device))
+    return items

@@ -8,8 +8,21 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
 - ``bmm``, ``baddbmm``: batch item i is ``linear(a[i], b[i].T)``, one item at a time, or all rows
   through one ``linear`` when b is one matrix expanded over the batch;
 - ``_softmax``, ``_log_softmax``: the backend's softmax / log_softmax over ``dim`` moved last;
-- ``mean.dim``: reduced dims moved last and flattened; each row summed in fp32 by the backend's
-  ``linear`` against a ones vector, then divided by the count.
+- ``mean.dim``: reduced dims moved last and flattened; rows reduced by the stock mean on fixed
+  ``[TILE_M, count]`` tiles -- the very op the engine's RMSNorm runs, so HF's RMSNorm
+  (``pow(2).mean(-1) -> rsqrt``) gives the engine's bits;
+- transformers' ``"sdpa"`` attention (its ``AttentionInterface`` registry entry, while transformers
+  is imported): the engine's paged split attention (``samebits.ops.hf_attention``).
+
+The decision: the override maps HF's ops onto the engine's arithmetic, never the reverse. The engine
+keeps one reference arithmetic per op (tiled linear, tiled stock mean / softmax / log_softmax,
+fixed-split attention); under ``batch_invariant()`` a stock HF model of the engine's weights
+(``attn_implementation="sdpa"``) runs that same arithmetic op for op, so its logits' log_softmax
+is bitwise the engine's sampled logprobs (CPU fp32 tested). Elementwise ops (embedding, RoPE,
+SiLU, residual adds, the casts) already agree. On CUDA the engine's RMSNorm is one Triton kernel,
+so there the norm needs its own route (not done here). Backward: the aten overrides sit below
+autograd, so stock derivative formulas run (their matmuls invariant too); the attention entry has
+a recompute backward (``samebits.ops.autograd``).
 
 Guarantee: for fp32, bf16 and fp16 inputs, the bits of an output row (a row of a matrix product, a
 batch item's row of ``bmm``, a softmax row, a mean over the reduced dims) depend only on that row's
@@ -28,7 +41,10 @@ calls of these ops go straight to the stock kernel via ``call_boxed``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +52,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from samebits.ops.backend import OpBackend, get_backend
+from samebits.ops.tiles import by_tiles
 
 __all__ = ["batch_invariant", "is_batch_invariant_enabled"]
 
@@ -117,9 +134,8 @@ def _mean(x: torch.Tensor, dim: list[int], keepdim: bool = False, *,
     dims = sorted({d % x.dim() for d in dim})
     kept = [d for d in range(x.dim()) if d not in dims]
     count = math.prod(x.shape[d] for d in dims)
-    rows = x.permute(*kept, *dims).reshape(-1, count).float()
-    sums = _backend(x).linear(rows, rows.new_ones(1, count))  # fp32 row sums, fixed order
-    out = (sums / count).to(x.dtype)
+    rows = x.permute(*kept, *dims).reshape(-1, count).contiguous()
+    out = by_tiles(lambda t: t.mean(-1, keepdim=True), rows)  # the engine's RMSNorm mean
     shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim else \
         [x.shape[d] for d in kept]
     return out.reshape(shape)
@@ -170,6 +186,7 @@ _local = threading.local()  # .busy: an override is running on this thread
 _lock = threading.Lock()
 _depth = 0
 _lib: torch.library.Library | None = None
+_undo_hf: Callable[[], None] = lambda: None  # noqa: E731
 
 
 def _kernel(op: str, key: str) -> Callable[..., torch.Tensor]:
@@ -207,6 +224,31 @@ def _register() -> torch.library.Library:
     return lib
 
 
+@contextlib.contextmanager
+def _busy() -> Iterator[None]:
+    """Nested aten calls go to the stock kernels (as inside an override)."""
+    before = getattr(_local, "busy", False)
+    _local.busy = True
+    try:
+        yield
+    finally:
+        _local.busy = before
+
+
+def _route_hf_attention() -> Callable[[], None]:
+    """Point transformers' ``"sdpa"`` attention at the engine's (if transformers is imported);
+    returns the undo."""
+    if "transformers" not in sys.modules:
+        return lambda: None
+    from samebits.ops.hf_attention import engine_sdpa
+    registry = importlib.import_module("transformers.modeling_utils").AttentionInterface
+    stock = registry._global_mapping.get("sdpa")
+    if stock is None:
+        return lambda: None
+    registry._global_mapping["sdpa"] = functools.partial(engine_sdpa, stock, _busy)
+    return lambda: registry._global_mapping.__setitem__("sdpa", stock)
+
+
 def is_batch_invariant_enabled() -> bool:
     """Whether a ``batch_invariant()`` block is open (in any thread)."""
     return _depth > 0
@@ -219,10 +261,11 @@ def batch_invariant() -> Iterator[None]:
     Re-entrant: nested blocks share one registration, removed when the outermost block exits
     (normally or by an exception). The overrides are process-wide while registered.
     """
-    global _depth, _lib
+    global _depth, _lib, _undo_hf
     with _lock:
         if _depth == 0:
             _lib = _register()
+            _undo_hf = _route_hf_attention()
         _depth += 1
     try:
         yield
@@ -232,3 +275,4 @@ def batch_invariant() -> Iterator[None]:
             if _depth == 0 and _lib is not None:
                 _lib._destroy()
                 _lib = None
+                _undo_hf()

@@ -52,7 +52,8 @@ M = TypeVar("M", bound=BaseModel)
 
 def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | None = None, *,
                 embedder: Embedder | None = None,
-                embed_model_name: str = DEFAULT_EMBED_MODEL_NAME) -> FastAPI:
+                embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
+                enable_weight_updates: bool = False) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
     worker run while the app does (its lifespan)."""
     if engine is not None:
@@ -86,7 +87,11 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
 
     app = FastAPI(title="samebits", lifespan=lifespan)
     app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
-    app.include_router(_v1_router(served, api_key))
+    router = _v1_router(served, api_key)
+    if enable_weight_updates and ctx is not None:
+        from samebits.server import weight_updates
+        weight_updates.add_route(router, ctx, metrics, _parse)
+    app.include_router(router)
     _add_open_routes(app, served, metrics)
     _add_error_handlers(app)
     app.add_middleware(StatusCounter, metrics=metrics)
@@ -268,7 +273,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name)
+                     embedder=embedder, embed_model_name=embed_name,
+                     enable_weight_updates=getattr(args, "enable_weight_updates", False))
 
 
 def serve(args: argparse.Namespace) -> int:

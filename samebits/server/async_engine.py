@@ -69,6 +69,12 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass(frozen=True)
+class _UpdateWeights:
+    tensors: list  # (HF name, tensor) pairs
+    done: Future  # -> the new fingerprint
+
+
 _STOP = object()
 
 
@@ -80,6 +86,8 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._update: _UpdateWeights | None = None  # engine thread only: a swap waiting to drain
+        self._held: list[_Add] = []  # requests that arrived while it waits (admitted after)
         metrics.kv_blocks_total.set(engine.kv.pool.num_blocks)
 
     # ---- event-loop side ------------------------------------------------------------------
@@ -109,6 +117,16 @@ class AsyncEngine:
             self.abort(group.request_ids)
             raise
 
+    async def update_weights(self, tensors: list) -> str:
+        """Swap weights between requests: admission pauses, the requests in flight finish on the
+        old weights, the engine swaps, admission resumes; so no request mixes old and new weights.
+        Returns the new fingerprint; raises the engine's ``ValueError`` for a bad tensor."""
+        if self._stopped or not self.alive:
+            raise RuntimeError("the engine loop is not running")
+        done: Future = Future()
+        self._commands.put(_UpdateWeights(tensors, done))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (idempotent: finished or unknown ids are ignored)."""
         self._commands.put(_Abort(list(request_ids)))
@@ -116,9 +134,12 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain_commands(block=not self.engine.has_unfinished()):
+            while self._drain_commands(block=not self.engine.has_unfinished()
+                                       and self._update is None):
                 if self.engine.has_unfinished():
                     self._step()
+                elif self._update is not None:
+                    self._swap_weights()
                 self._report_state()
         except BaseException:
             log.exception("the engine loop failed")
@@ -131,12 +152,17 @@ class AsyncEngine:
         self._stopped = True
         for request_id in list(self._tracked):
             self._fail(request_id, "the server is shutting down")
+        held = [c for c in self._held if c.done.set_running_or_notify_cancel()]
+        pending = held + ([self._update] if self._update is not None else [])
+        self._held, self._update = [], None
+        for cmd in pending:
+            cmd.done.set_exception(RuntimeError("the engine loop is not running"))
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+            if isinstance(cmd, _Add | _UpdateWeights) and cmd.done.set_running_or_notify_cancel():
                 cmd.done.set_exception(RuntimeError("the engine loop is not running"))
 
     def _drain_commands(self, block: bool) -> bool:
@@ -148,8 +174,12 @@ class AsyncEngine:
         while True:
             if cmd is _STOP:
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Add) and self._update is not None:
+                self._held.append(cmd)  # admission is paused until the swap
+            elif isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _UpdateWeights):
+                self._queue_update(cmd)
             else:
                 for request_id in cmd.request_ids:
                     self._abort(request_id)
@@ -181,6 +211,25 @@ class AsyncEngine:
             self._tracked[seq.request_id] = _Tracked(group, i)
             self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         cmd.done.set_result(None)
+
+    def _queue_update(self, cmd: _UpdateWeights) -> None:
+        if not cmd.done.set_running_or_notify_cancel():
+            return
+        if self._update is not None:
+            cmd.done.set_exception(RuntimeError("another weight update is in progress"))
+            return
+        self._update = cmd
+
+    def _swap_weights(self) -> None:
+        """The engine is drained: swap, answer, then admit the requests that were held."""
+        cmd, self._update = self._update, None
+        try:
+            cmd.done.set_result(self.engine.update_weights(cmd.tensors))
+        except Exception as e:  # ValueError: a bad tensor, nothing changed
+            cmd.done.set_exception(e)
+        held, self._held = self._held, []
+        for add in held:
+            self._add(add)
 
     def _abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:
