@@ -86,8 +86,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-model", default=None, metavar="DEFAULT|PATH",
                    help="also serve /v1/embeddings from this embedding model, beside the "
                    "generation model (DEFAULT: all-MiniLM-L6-v2)")
+    p.add_argument("--canary-rate", type=_rate, default=0.01,
+                   help="share of finished requests the determinism canary replays alone in idle "
+                   "time, comparing output hashes (0 turns it off)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

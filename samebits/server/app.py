@@ -52,9 +52,11 @@ M = TypeVar("M", bound=BaseModel)
 
 def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | None = None, *,
                 embedder: Embedder | None = None,
-                embed_model_name: str = DEFAULT_EMBED_MODEL_NAME) -> FastAPI:
+                embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
+                canary_rate: float = 0.0) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan)."""
+    worker run while the app does (its lifespan). ``canary_rate``: the share of finished requests
+    the determinism canary replays alone (samebits.server.canary)."""
     if engine is not None:
         metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
                           engine.config.batch_invariant)
@@ -64,7 +66,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
         raise ValueError("build_app needs an engine, an embedder or both")
     loop = ctx = svc = None
     if engine is not None:
-        loop = AsyncEngine(engine, metrics)
+        loop = AsyncEngine(engine, metrics, canary_rate)
         ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer))
@@ -256,7 +258,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name)
+                     embedder=embedder, embed_model_name=embed_name,
+                     canary_rate=args.canary_rate)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from samebits.engine.engine import LLMEngine
 from samebits.engine.sequence import RequestOutput, Sequence
 from samebits.sampling_params import SamplingParams
+from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 
 log = logging.getLogger("samebits.server")
@@ -73,9 +74,10 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, canary_rate: float = 0.0) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.canary = Canary(canary_rate, metrics, engine.config.seed)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -116,15 +118,20 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain_commands(block=not self.engine.has_unfinished()):
+            while self._drain_commands(block=not self._has_work()):
                 if self.engine.has_unfinished():
                     self._step()
+                elif self.canary.pending:  # idle: replay one request alone
+                    self.canary.replay(self.engine, busy=lambda: not self._commands.empty())
                 self._report_state()
         except BaseException:
             log.exception("the engine loop failed")
             raise
         finally:
             self._shut_down()
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or self.canary.pending
 
     def _shut_down(self) -> None:
         """Fail what is in flight and what is still queued: no caller waits forever."""
@@ -217,6 +224,7 @@ class AsyncEngine:
             output = self.engine.output(seq)
             self.engine.requests.pop(seq.request_id, None)
             del self._tracked[seq.request_id]
+            self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
         elif not t.group.stream or total == t.sent:
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from samebits.engine.sequence import RequestOutput
 from samebits.server.async_engine import RequestGroup
@@ -24,6 +24,8 @@ from samebits.server.serving import (
     ServingContext,
     collect,
     deltas,
+    hashed_json,
+    last_hash,
     make_group,
     new_id,
     sampling_params,
@@ -36,7 +38,7 @@ from samebits.server.tokens import TextStream
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  request: Request
-                                 ) -> ChatCompletionResponse | StreamingResponse:
+                                 ) -> Response:
     ctx.check_model(req.model)
     ids = ctx.encode(_render(ctx, req), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.max_model_len - len(ids)
@@ -52,7 +54,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return sse(ctx, group, lambda: _events(ctx, req, group, header))
     outputs = await collect(ctx, group, request)
     choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+    return hashed_json(ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n)),
+                       outputs)
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
@@ -96,6 +99,6 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, group: Reques
             index=d.index, delta=ChatDelta(content=text),
             logprobs=_logprobs(ctx, req, d.token_ids, d.logprobs, d.top_logprobs),
             finish_reason=d.output.finish_reason if d.output is not None else None,
-            seed=group.seeds[d.index])])
+            seed=group.seeds[d.index])], output_hash=last_hash(d.output, finals))
     if req.stream_options is not None and req.stream_options.include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=usage(finals, req.n))

@@ -1,0 +1,101 @@
+"""The determinism canary: replay a sampled share of finished requests alone and check the bits.
+
+A finished request is sampled with probability ``rate`` (a generator seeded by the server's seed,
+so a run's choice of requests is reproducible). Its prompt, sampling parameters and the seed it
+used are queued with the hash of what was served (``samebits.output_hash``). When the engine has
+nothing else to do, the engine thread replays one queued request as a batch of one with the prefix
+cache bypassed, and compares hashes: in the invariant numerics they must agree, whatever batch
+the request was served in. New work preempts a replay (it is aborted and queued again), so the
+canary only uses idle capacity. A mismatch is counted and logged with the request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from samebits.engine.engine import LLMEngine
+from samebits.engine.sequence import Sequence
+from samebits.output_hash import output_hash
+from samebits.sampling_params import SamplingParams
+from samebits.server.metrics import Metrics
+
+log = logging.getLogger("samebits.server")
+MAX_PENDING = 256  # replays queued beyond this are dropped (counted in samebits_canary_dropped)
+
+
+@dataclass(frozen=True)
+class CanaryJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # with the seed the request used
+    expected: str  # output_hash of what was served
+
+    def __post_init__(self) -> None:
+        if self.params.seed is None:
+            raise ValueError("a canary replay needs the seed the request used")
+
+
+class Canary:
+    """Engine-thread only (like the engine): ``offer`` finished sequences, ``replay`` when idle."""
+
+    def __init__(self, rate: float, metrics: Metrics, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"canary rate must be in [0, 1], got {rate!r}")
+        self.rate = rate
+        self.metrics = metrics
+        self._rng = random.Random(seed)
+        self._pending: deque[CanaryJob] = deque()
+        self._count = 0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def offer(self, seq: Sequence) -> None:
+        """Maybe queue a replay of ``seq``, a request that finished normally."""
+        if self.rate == 0.0 or seq.score_only or seq.finish_reason not in ("stop", "length"):
+            return
+        if self._rng.random() >= self.rate:
+            return
+        if len(self._pending) >= MAX_PENDING:
+            self.metrics.canary_dropped.inc()
+            return
+        expected = output_hash([(seq.output_token_ids, seq.logprobs)])
+        self._pending.append(CanaryJob(seq.request_id, list(seq.prompt_token_ids),
+                                       replace(seq.params, seed=seq.seed), expected))
+
+    def replay(self, engine: LLMEngine, busy: Callable[[], bool]) -> None:
+        """Replay the oldest queued request alone; give way (and requeue it) as soon as ``busy``.
+        The engine must have no other request in flight."""
+        job = self._pending.popleft()
+        self._count += 1
+        rid = f"canary-{self._count}-{job.request_id}"
+        kv, saved = engine.kv, engine.kv.enable_prefix_caching
+        kv.enable_prefix_caching = False  # neither reads nor fills the prefix cache
+        try:
+            seq = engine.add_request(rid, job.prompt_token_ids, job.params)
+            while not seq.is_finished:
+                if busy():
+                    engine.abort(rid)
+                    self._pending.appendleft(job)
+                    return
+                engine.step()
+        except Exception:
+            log.exception("canary replay of %s failed", job.request_id)
+            engine.abort(rid)
+            return
+        finally:
+            engine.requests.pop(rid, None)
+            kv.enable_prefix_caching = saved
+        self._check(job, output_hash([(seq.output_token_ids, seq.logprobs)]))
+
+    def _check(self, job: CanaryJob, got: str) -> None:
+        self.metrics.canary_checks.inc()
+        if got != job.expected:
+            self.metrics.canary_mismatches.inc()
+            log.warning("determinism canary: request %s replayed alone gave output hash %s, "
+                        "served %s", job.request_id, got, job.expected)
