@@ -219,7 +219,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, device=args.device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     if args.standard:
         kwargs["batch_invariant"] = False
     return EngineConfig(model=args.model, **kwargs)
