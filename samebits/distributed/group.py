@@ -16,6 +16,8 @@ class TPGroup:
                  init_method: str | None = None) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         if world_size > 1:
+            if device.type == "cuda":  # NCCL's objects and buffers live on the current device
+                torch.cuda.set_device(device)
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=world_size)

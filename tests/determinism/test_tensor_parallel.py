@@ -70,3 +70,16 @@ def test_negative_control_rank_grouped_sums_depend_on_n():
         return acc
 
     assert not torch.equal(grouped(2), grouped(3))
+
+
+@pytest.mark.slow
+def test_default_model_tp_3_equals_tp_1():
+    """SmolLM2-135M: 9 query heads, 3 KV heads, so N = 3."""
+    texts = ["The sea is", "Write one sentence about reproducibility."]
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=5)
+    got = {}
+    for n in (1, 3):
+        llm = LLM(tensor_parallel_size=n, num_kv_blocks=64)
+        got[n] = [(o.token_ids, o.logprobs) for o in llm.generate(texts, params)]
+        shutdown(llm)
+    assert got[3] == got[1]
