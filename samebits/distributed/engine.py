@@ -127,7 +127,10 @@ def _worker_main(config: EngineConfig, rank: int, init: str, num_blocks: int,
     dev = config.torch_device
     with torch.inference_mode():
         while True:
-            kind, payload = group.broadcast(None)
+            try:
+                kind, payload = group.broadcast(None)
+            except RuntimeError:  # rank 0 went away without a stop (killed): nothing to serve
+                return
             if kind == "stop":
                 break
             if kind == "forward":
