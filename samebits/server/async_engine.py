@@ -202,6 +202,8 @@ class AsyncEngine:
             for request_id in list(self._tracked):
                 self._fail(request_id, "internal error in the engine step")
             return
+        if self.canary.holds_blocks_needed(self.engine):
+            self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
         if progressed:
             self.metrics.batch_size.observe(len(progressed))
         now = time.monotonic()

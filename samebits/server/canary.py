@@ -50,10 +50,16 @@ class Canary:
         self._rng = random.Random(seed)
         self._pending: deque[CanaryJob] = deque()
         self._count = 0
+        self._active: tuple[CanaryJob, Sequence] | None = None  # a replay parked mid-way
+        self._parked_running = False  # it was parked from the running list (it holds KV blocks)
 
     @property
     def pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self._active is not None
+
+    @property
+    def parked(self) -> bool:
+        return self._active is not None
 
     def offer(self, seq: Sequence) -> None:
         """Maybe queue a replay of ``seq``, a request that finished normally."""
@@ -69,29 +75,67 @@ class Canary:
                                        replace(seq.params, seed=seq.seed), expected))
 
     def replay(self, engine: LLMEngine, busy: Callable[[], bool]) -> None:
-        """Replay the oldest queued request alone; give way (and requeue it) as soon as ``busy``.
-        The engine must have no other request in flight."""
-        job = self._pending.popleft()
-        self._count += 1
-        rid = f"canary-{self._count}-{job.request_id}"
+        """Run the parked replay, or start the oldest queued one, alone until it finishes or
+        ``busy`` says work arrived; then it is parked: out of the scheduler, its KV blocks kept,
+        resumed alone at the next idle time. The engine must have no other request in flight."""
         kv, saved = engine.kv, engine.kv.enable_prefix_caching
         kv.enable_prefix_caching = False  # neither reads nor fills the prefix cache
         try:
-            seq = engine.add_request(rid, job.prompt_token_ids, job.params)
+            job, seq = self._resume(engine)
             while not seq.is_finished:
                 if busy():
-                    engine.abort(rid)
-                    self._pending.appendleft(job)
+                    self._park(engine, seq)
                     return
                 engine.step()
         except Exception:
-            log.exception("canary replay of %s failed", job.request_id)
-            engine.abort(rid)
+            log.exception("canary replay failed")
+            self.abort_parked(engine, requeue=False)
             return
         finally:
-            engine.requests.pop(rid, None)
             kv.enable_prefix_caching = saved
+        engine.requests.pop(seq.request_id, None)
+        self._active = None
         self._check(job, output_hash([(seq.output_token_ids, seq.logprobs)]))
+
+    def _resume(self, engine: LLMEngine) -> tuple[CanaryJob, Sequence]:
+        if self._active is None:
+            job = self._pending.popleft()
+            self._count += 1
+            seq = engine.add_request(f"canary-{self._count}-{job.request_id}",
+                                     job.prompt_token_ids, job.params)
+            self._active = (job, seq)
+            return job, seq
+        job, seq = self._active
+        self._unpark(engine, seq)
+        return job, seq
+
+    def _park(self, engine: LLMEngine, seq: Sequence) -> None:
+        sched = engine.scheduler
+        self._parked_running = seq in sched.running
+        (sched.running if self._parked_running else sched.waiting).remove(seq)
+
+    def _unpark(self, engine: LLMEngine, seq: Sequence) -> None:
+        sched = engine.scheduler
+        (sched.running if self._parked_running else sched.waiting).append(seq)
+
+    def abort_parked(self, engine: LLMEngine, requeue: bool = True) -> None:
+        """Give up the parked replay (freeing its KV blocks); ``requeue``: start it over later."""
+        if self._active is None:
+            return
+        job, seq = self._active
+        self._active = None
+        if not seq.is_finished and seq not in engine.scheduler.running and \
+                seq not in engine.scheduler.waiting:
+            self._unpark(engine, seq)
+        engine.abort(seq.request_id)
+        if requeue:
+            self._pending.appendleft(job)
+
+    def holds_blocks_needed(self, engine: LLMEngine) -> bool:
+        """True when the parked replay's blocks stop the queue: nothing runs and some wait."""
+        sched = engine.scheduler
+        return self._active is not None and self._parked_running and not sched.running \
+            and bool(sched.waiting)
 
     def _check(self, job: CanaryJob, got: str) -> None:
         self.metrics.canary_checks.inc()
