@@ -53,19 +53,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Generate the same prompts alone and in one batch; report whether the bits agree."""
+    """Local: the same prompts alone and in one batch. ``--url``: audit that server
+    (samebits.audit). Exit 0 only when no bit differs."""
+    if args.url is not None:
+        return _verify_url(args)
     from samebits import SamplingParams
+    from samebits.verify import compare, plot, report
     llm = _llm(args)
     prompts = [f"Write a short note number {i} about reproducibility." for i in range(args.n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=1234)
-    alone = [llm.generate(p, params)[0] for p in prompts]
-    batched = llm.generate(prompts, params)
-    same = [a.token_ids == b.token_ids and a.logprobs == b.logprobs
-            for a, b in zip(alone, batched, strict=True)]
-    print(json.dumps({"prompts": args.n, "bitwise_equal": sum(same),
-                      "batch_invariant": llm.config.batch_invariant,
-                      "system_fingerprint": llm.fingerprint}))
-    return 0 if all(same) else 1
+    alone = [_pairs(llm.generate(p, params)[0]) for p in prompts]
+    batched = [_pairs(o) for o in llm.generate(prompts, params)]
+    result = compare("batch vs alone", batched, alone)
+    if args.plot:
+        plot([result], args.plot, f"samebits verify (local, {llm.fingerprint})")
+    ok = report([result], prompts=args.n, bitwise_equal=result.requests - result.to_json()[
+        "differing"], batch_invariant=llm.config.batch_invariant,
+        system_fingerprint=llm.fingerprint)
+    return 0 if ok else 1
+
+
+def _pairs(out) -> list[tuple[int, float]]:
+    return list(zip(out.token_ids, out.logprobs, strict=True))
+
+
+def _verify_url(args: argparse.Namespace) -> int:
+    import openai
+
+    from samebits.audit import AuditConfig, audit
+    from samebits.verify import plot, report
+    config = AuditConfig(args.url, args.api_key, args.model, concurrency=args.n,
+                         num_prompts=args.n, max_tokens=args.max_tokens)
+    try:
+        model, results = audit(config)
+    except (openai.OpenAIError, RuntimeError) as e:
+        print(f"samebits: error: audit of {args.url} failed: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot(results, args.plot, f"samebits verify --url {args.url} ({model})")
+    return 0 if report(results, url=args.url, model=model) else 1
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -92,8 +118,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-weight-updates", action="store_true",
                    help="add POST /v1/update_weights {\"path\": DIR}: swap in HF-named "
                    "safetensors from DIR on the server between requests")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="shard the model over N processes (gloo on CPU, NCCL on GPU); the "
+                   "segmented arithmetic gives the same bits for every N (samebits.distributed)")
+    p.add_argument("--canary-rate", type=_rate, default=0.01,
+                   help="share of finished requests the determinism canary replays alone in idle "
+                   "time, comparing output hashes (0 turns it off)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -115,9 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="token ids, seed, fingerprint")
     _engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    ver = sub.add_parser("verify", help="check that batching does not change the bits")
-    ver.add_argument("-n", type=int, default=8)
+    ver = sub.add_parser("verify", help="check that batching does not change the bits (locally, "
+                         "or on any OpenAI-compatible server with --url)")
+    ver.add_argument("-n", type=int, default=8, help="prompts (with --url: also the identical "
+                     "requests sent at once)")
     ver.add_argument("--max-tokens", type=int, default=16)
+    ver.add_argument("--url", default=None, help="audit this OpenAI-compatible server instead "
+                     "of a local engine (--model then names the served model; default: the first "
+                     "listed)")
+    ver.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    ver.add_argument("--plot", default=None, metavar="FILE",
+                     help="save a plot of the first divergent token per request (matplotlib)")
     _engine_args(ver)
     ver.set_defaults(func=cmd_verify)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)")

@@ -149,6 +149,9 @@ class EngineConfig:
     attention_split_size: int = 128
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
+    # None: one device, the plain arithmetic. N >= 1: the segmented arithmetic of
+    # samebits.distributed over N ranks (bitwise the same for every N dividing the KV heads)
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in ("generate", "embed"):
@@ -165,6 +168,7 @@ class EngineConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
+        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=True)
         if self.attention_split_size % 16:
             raise ValueError(f"attention_split_size must be a multiple of 16, got "
                              f"{self.attention_split_size}")

@@ -31,6 +31,9 @@ class LLMEngine:
         self.fingerprint = self.loaded.fingerprint
         self.max_model_len = self.loaded.max_model_len
         self.runner = ModelRunner(self.loaded, config)
+        if config.tensor_parallel_size is not None:
+            from samebits.distributed import enable_tensor_parallel
+            self.fingerprint = enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv)

@@ -53,9 +53,10 @@ M = TypeVar("M", bound=BaseModel)
 def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | None = None, *,
                 embedder: Embedder | None = None,
                 embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
-                enable_weight_updates: bool = False) -> FastAPI:
+                enable_weight_updates: bool = False, canary_rate: float = 0.0) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan)."""
+    worker run while the app does (its lifespan). ``canary_rate``: the share of finished requests
+    the determinism canary replays alone (samebits.server.canary)."""
     if engine is not None:
         metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
                           engine.config.batch_invariant)
@@ -65,7 +66,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
         raise ValueError("build_app needs an engine, an embedder or both")
     loop = ctx = svc = None
     if engine is not None:
-        loop = AsyncEngine(engine, metrics)
+        loop = AsyncEngine(engine, metrics, canary_rate)
         ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer), engine.grammars)
@@ -222,7 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, device=args.device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     if args.standard:
         kwargs["batch_invariant"] = False
     return EngineConfig(model=args.model, **kwargs)
@@ -274,7 +275,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
                      embedder=embedder, embed_model_name=embed_name,
-                     enable_weight_updates=getattr(args, "enable_weight_updates", False))
+                     enable_weight_updates=getattr(args, "enable_weight_updates", False),
+                     canary_rate=args.canary_rate)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from samebits.engine.engine import LLMEngine
 from samebits.engine.sequence import RequestOutput, Sequence
 from samebits.sampling_params import SamplingParams
+from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 
 log = logging.getLogger("samebits.server")
@@ -79,9 +80,10 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, canary_rate: float = 0.0) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.canary = Canary(canary_rate, metrics, engine.config.seed)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -134,18 +136,22 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain_commands(block=not self.engine.has_unfinished()
-                                       and self._update is None):
+            while self._drain_commands(block=not self._has_work()):
                 if self.engine.has_unfinished():
                     self._step()
                 elif self._update is not None:
                     self._swap_weights()
+                elif self.canary.pending:  # idle: replay one request alone
+                    self.canary.replay(self.engine, busy=lambda: not self._commands.empty())
                 self._report_state()
         except BaseException:
             log.exception("the engine loop failed")
             raise
         finally:
             self._shut_down()
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or self._update is not None or self.canary.pending
 
     def _shut_down(self) -> None:
         """Fail what is in flight and what is still queued: no caller waits forever."""
@@ -223,6 +229,7 @@ class AsyncEngine:
     def _swap_weights(self) -> None:
         """The engine is drained: swap, answer, then admit the requests that were held."""
         cmd, self._update = self._update, None
+        self.canary.forget(self.engine)
         try:
             cmd.done.set_result(self.engine.update_weights(cmd.tensors))
         except Exception as e:  # ValueError: a bad tensor, nothing changed
@@ -244,6 +251,8 @@ class AsyncEngine:
             for request_id in list(self._tracked):
                 self._fail(request_id, "internal error in the engine step")
             return
+        if self.canary.holds_blocks_needed(self.engine):
+            self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
         if progressed:
             self.metrics.batch_size.observe(len(progressed))
         now = time.monotonic()
@@ -266,6 +275,7 @@ class AsyncEngine:
             output = self.engine.output(seq)
             self.engine.requests.pop(seq.request_id, None)
             del self._tracked[seq.request_id]
+            self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
         elif not t.group.stream or total == t.sent:
             return

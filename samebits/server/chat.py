@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from samebits.chat_template import render_chat
 from samebits.engine.sequence import RequestOutput
@@ -27,6 +27,8 @@ from samebits.server.serving import (
     ServingContext,
     collect,
     deltas,
+    hashed_json,
+    last_hash,
     make_group,
     new_id,
     sampling_params,
@@ -42,7 +44,7 @@ from samebits.structured_outputs import StructuredOutputsParams
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  request: Request
-                                 ) -> ChatCompletionResponse | StreamingResponse:
+                                 ) -> Response:
     ctx.check_model(req.model)
     plan = tool_plan(req)
     spec = await _constraint(ctx, req, plan)
@@ -60,7 +62,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return sse(ctx, group, lambda: _events(ctx, req, plan, group, header))
     outputs = await collect(ctx, group, request)
     choices = [_choice(ctx, req, plan, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+    return hashed_json(ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n)),
+                       outputs)
 
 
 async def _constraint(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan
@@ -140,7 +143,8 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPla
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
             index=d.index, delta=ChatDelta(content=content, tool_calls=calls or None),
             logprobs=_logprobs(ctx, req, d.token_ids, d.logprobs, d.top_logprobs),
-            finish_reason=finish, seed=group.seeds[d.index])])
+            finish_reason=finish, seed=group.seeds[d.index])],
+            output_hash=last_hash(d.output, finals))
     if req.stream_options is not None and req.stream_options.include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=usage(finals, req.n))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from samebits.engine.sequence import RequestOutput
 from samebits.server.async_engine import RequestGroup
@@ -21,6 +21,8 @@ from samebits.server.serving import (
     ServingContext,
     collect,
     deltas,
+    hashed_json,
+    last_hash,
     make_group,
     new_id,
     sampling_params,
@@ -33,7 +35,7 @@ from samebits.server.tokens import TextStream
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
-                            ) -> CompletionResponse | StreamingResponse:
+                            ) -> Response:
     ctx.check_model(req.model)
     prompts = _prompts(ctx, req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
@@ -54,7 +56,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         return sse(ctx, group, lambda: _events(ctx, req, group, header))
     outputs = await collect(ctx, group, request)
     choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return CompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+    return hashed_json(CompletionResponse(**header, choices=choices, usage=usage(outputs, req.n)),
+                       outputs)
 
 
 def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
@@ -97,6 +100,7 @@ async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGro
         finish = d.output.finish_reason if d.output is not None else None
         yield CompletionResponse(**header, choices=[CompletionChoice(
             index=d.index, text=text, logprobs=logprobs, finish_reason=finish,
-            seed=group.seeds[d.index])])
+            seed=group.seeds[d.index])], output_hash=last_hash(d.output, finals))
     if req.stream_options is not None and req.stream_options.include_usage:
         yield CompletionResponse(**header, choices=[], usage=usage(finals, req.n))
+

@@ -44,6 +44,12 @@ class Metrics:
         self.kv_blocks_total = Gauge("samebits_kv_blocks_total", "KV cache blocks", registry=r)
         self.batch_size = Histogram("samebits_batch_size", "Sequences that made progress in an "
                                     "engine step", buckets=_BATCH_BUCKETS, registry=r)
+        self.canary_checks = Counter("samebits_canary_checks", "Finished requests replayed "
+                                     "alone by the determinism canary", registry=r)
+        self.canary_mismatches = Counter("samebits_canary_mismatches", "Canary replays whose "
+                                         "output hash differed from what was served", registry=r)
+        self.canary_dropped = Counter("samebits_canary_dropped", "Sampled requests not replayed "
+                                      "(the canary's queue was full)", registry=r)
         self.ttft = Histogram("samebits_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("samebits_inter_token_latency_seconds", "Time between two tokens "

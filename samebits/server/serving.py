@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from samebits.engine.grammar import GrammarCompiler
 from samebits.engine.sequence import RequestOutput
+from samebits.output_hash import HEADER, output_hash
 from samebits.sampling_params import SamplingParams
 from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
 from samebits.server.errors import APIError, from_value_error
@@ -150,6 +151,24 @@ def usage(outputs: list[RequestOutput], n: int) -> Usage:
     completion = sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
+
+
+def hash_outputs(outputs: list[RequestOutput]) -> str:
+    """samebits.output_hash of a response's choices, in choice order."""
+    return output_hash((o.token_ids, o.logprobs) for o in outputs)
+
+
+def hashed_json(body: BaseModel, outputs: list[RequestOutput]) -> Response:
+    """A JSON response carrying the choices' output hash in ``X-Samebits-Output-Hash``."""
+    return Response(body.model_dump_json(), media_type="application/json",
+                    headers={HEADER: hash_outputs(outputs)})
+
+
+def last_hash(output: RequestOutput | None, finals: list[RequestOutput | None]) -> str | None:
+    """A stream's output hash, set on the chunk that finishes its last choice (else None)."""
+    if output is None or any(f is None for f in finals):
+        return None
+    return hash_outputs(finals)
 
 
 def sse(ctx: ServingContext, group: RequestGroup,

@@ -1,0 +1,135 @@
+"""The decoder sharded over a ``TPGroup``: this rank's segments of every weight (contiguous
+copies, so each product has the same memory layout on any N) and the forward that combines them.
+
+Per layer: RMSNorm (replicated) -> per owned KV group: qkv product, q/k norm, RoPE, KV store,
+attention, the group's o_proj partial -> ordered sum -> residual; then per owned MLP segment: the
+gate/up product, SiLU, the down_proj partial -> ordered sum -> residual. The same ops, casts and
+order as ``samebits.models.llama``, with products split by segment. Embedding and LM head are
+vocab-parallel: a rank looks up / scores only its vocab rows; rows are gathered, never summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from samebits.config import ModelConfig
+from samebits.distributed.group import TPGroup
+from samebits.distributed.segments import Segments
+from samebits.models.llama import LlamaForCausalLM, apply_rope
+from samebits.ops.backend import AttentionMetadata, store_kv
+
+GroupCache = list[tuple[torch.Tensor, torch.Tensor]]  # per owned KV group: (k, v) [B, bs, 1, D]
+
+
+def _take(w: torch.Tensor | None, rows=None, cols=None) -> torch.Tensor | None:
+    """A contiguous copy of ``w[rows][:, cols]`` (None stays None)."""
+    if w is None:
+        return None
+    if rows is not None:
+        w = w[rows]
+    if cols is not None:
+        w = w[:, cols]
+    return w.detach().clone().contiguous()
+
+
+class TPLayer:
+    """One decoder layer's shards: per owned segment, its slices of the four projections."""
+
+    def __init__(self, layer, cfg: ModelConfig, seg: Segments) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.qkv = [(_take(attn.qkv_proj, seg.qkv_rows(cfg, g)),
+                     _take(attn.qkv_bias, seg.qkv_rows(cfg, g))) for g in seg.owned()]
+        self.o = [_take(attn.o_proj, cols=seg.o_cols(cfg, g)) for g in seg.owned()]
+        inter = cfg.intermediate_size
+        self.gate_up, self.down = [], []
+        for c in seg.owned():
+            s = seg.mlp_slice(cfg, c)
+            rows = torch.cat([torch.arange(s.start, s.stop), inter + torch.arange(s.start, s.stop)])
+            self.gate_up.append((_take(mlp.gate_up_proj, rows), _take(mlp.gate_up_bias, rows)))
+            self.down.append(_take(mlp.down_proj, cols=s))
+        self.down_bias = mlp.down_bias
+
+
+class TPModel:
+    """This rank's part of the decoder; ``forward``/``compute_logits`` are collective calls."""
+
+    def __init__(self, full: LlamaForCausalLM, group: TPGroup) -> None:
+        cfg = self.cfg = full.cfg
+        self.ops, self.group = full.ops, group
+        self.seg = seg = Segments.for_model(cfg, group.rank, group.world_size)
+        self.g, self.d, self.eps = (cfg.num_attention_heads // cfg.num_key_value_heads,
+                                    cfg.head_dim, cfg.rms_norm_eps)
+        self.layers = [TPLayer(layer, cfg, seg) for layer in full.layers]
+        self.norm, self.rope_cos, self.rope_sin = full.norm, full.rope_cos, full.rope_sin
+        lo, hi = seg.vocab_range(cfg)
+        self.vocab_lo = lo
+        self.embed = _take(full.embed_tokens[lo:hi])
+        head = full.embed_tokens if full.lm_head is None else full.lm_head
+        self.head = [_take(head[seg.vocab_slice(cfg, v)]) for v in seg.owned()]
+        self.vocab_bounds = torch.tensor([seg.vocab_range(cfg, r)[1]
+                                          for r in range(group.world_size)])
+
+    def allocate_caches(self, num_blocks: int, block_size: int) -> list[GroupCache]:
+        """Per layer, per owned KV group: zeroed (k, v) caches [num_blocks, block_size, 1, D]."""
+        shape = (num_blocks, block_size, 1, self.d)
+        dev, dt = self.embed.device, self.embed.dtype
+        return [[(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt,
+                                                                           device=dev))
+                 for _ in self.seg.owned()] for _ in self.layers]
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank fills the rows of its own tokens; rank r's rows are
+        then picked for the tokens it owns (a selection: exact)."""
+        hi = self.vocab_lo + self.embed.shape[0]
+        mine = (ids >= self.vocab_lo) & (ids < hi)
+        local = F.embedding(torch.where(mine, ids - self.vocab_lo, 0), self.embed)
+        every = self.group.all_gather(local.unsqueeze(0))  # [N, T, H]
+        owner = torch.searchsorted(self.vocab_bounds.to(ids.device), ids, right=True)
+        return every[owner, torch.arange(ids.shape[0], device=ids.device)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                caches: list[GroupCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embedding(input_ids)
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = self.ops.rms_norm(h, layer.input_norm, self.eps)
+            h = h + self._attention(layer, x, cos, sin, cache, meta)
+            x = self.ops.rms_norm(h, layer.post_norm, self.eps)
+            h = h + self._mlp(layer, x)
+        return self.ops.rms_norm(h, self.norm, self.eps)
+
+    __call__ = forward
+
+    def _attention(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: GroupCache, meta: AttentionMetadata) -> torch.Tensor:
+        t, g, d, ops = x.shape[0], self.g, self.d, self.ops
+        partials = []
+        for (w, b), w_o, (kc, vc) in zip(layer.qkv, layer.o, cache, strict=True):
+            q, k, v = ops.linear(x, w, b).split([g * d, d, d], dim=-1)
+            q, k, v = q.view(t, g, d), k.view(t, 1, d), v.view(t, 1, d)
+            if layer.q_norm is not None:
+                q, k = ops.rms_norm(q, layer.q_norm, self.eps), ops.rms_norm(k, layer.k_norm,
+                                                                             self.eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            store_kv(k.contiguous(), v.contiguous(), kc, vc, meta.slot_mapping)
+            o = ops.attention(q.contiguous(), kc, vc, meta, d ** -0.5)
+            partials.append(ops.linear(o.reshape(t, g * d), w_o))
+        return self.group.ordered_sum(partials).to(x.dtype)
+
+    def _mlp(self, layer: TPLayer, x: torch.Tensor) -> torch.Tensor:
+        partials = []
+        for (w, b), w_down in zip(layer.gate_up, layer.down, strict=True):
+            gate, up = self.ops.linear(x, w, b).chunk(2, dim=-1)
+            partials.append(self.ops.linear(F.silu(gate) * up, w_down))
+        out = self.group.ordered_sum(partials).to(x.dtype)
+        return out if layer.down_bias is None else out + layer.down_bias
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] -> fp32 logits [M, V]: one product per vocab segment, gathered."""
+        local = torch.cat([self.ops.linear(hidden, w).float() for w in self.head], dim=-1)
+        sizes = [hi - lo for lo, hi in (self.seg.vocab_range(self.cfg, r)
+                                         for r in range(self.group.world_size))]
+        return self.group.gather_cat(local, sizes, dim=-1)

@@ -1,0 +1,74 @@
+"""The fixed segmentation of every sharded weight: S segments, whatever the number of ranks.
+
+S is the model's number of KV heads. Segment g of the attention is KV group g (its G = Hq/Hkv
+query heads, one K and one V head); segment c of the MLP is the c-th of S near-equal slices of the
+intermediate dimension; segment v of the vocabulary the v-th of S near-equal slices of the vocab.
+Rank r of N owns segments [r S/N, (r+1) S/N).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from samebits.config import ModelConfig
+
+
+def bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous near-equal [lo, hi) slices of range(total) (torch.tensor_split's)."""
+    edges = [0]
+    for i in range(parts):
+        edges.append(edges[-1] + total // parts + (1 if i < total % parts else 0))
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class Segments:
+    num_segments: int
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.num_segments % self.world_size:
+            raise ValueError(f"tensor_parallel_size={self.world_size} must divide the model's "
+                             f"{self.num_segments} KV heads")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, {self.world_size})")
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, rank: int, world_size: int) -> Segments:
+        return cls(cfg.num_key_value_heads, rank, world_size)
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_segments // self.world_size
+
+    def owned(self, rank: int | None = None) -> range:
+        r = self.rank if rank is None else rank
+        return range(r * self.per_rank, (r + 1) * self.per_rank)
+
+    def qkv_rows(self, cfg: ModelConfig, g: int) -> torch.Tensor:
+        """Rows of the fused [q; k; v] weight that make KV group g: its q heads, its k, its v."""
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        q = hq // hkv * d
+        return torch.cat([torch.arange(g * q, (g + 1) * q),
+                          hq * d + torch.arange(g * d, (g + 1) * d),
+                          (hq + hkv) * d + torch.arange(g * d, (g + 1) * d)])
+
+    def o_cols(self, cfg: ModelConfig, g: int) -> slice:
+        q = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim
+        return slice(g * q, (g + 1) * q)
+
+    def mlp_slice(self, cfg: ModelConfig, c: int) -> slice:
+        lo, hi = bounds(cfg.intermediate_size, self.num_segments)[c]
+        return slice(lo, hi)
+
+    def vocab_slice(self, cfg: ModelConfig, v: int) -> slice:
+        lo, hi = bounds(cfg.vocab_size, self.num_segments)[v]
+        return slice(lo, hi)
+
+    def vocab_range(self, cfg: ModelConfig, rank: int | None = None) -> tuple[int, int]:
+        """The contiguous vocab rows rank ``rank`` owns."""
+        owned = self.owned(rank)
+        return (self.vocab_slice(cfg, owned[0]).start, self.vocab_slice(cfg, owned[-1]).stop)

@@ -1,0 +1,63 @@
+"""The canary's replay, in-process: a replay interrupted by new work is parked (out of the
+scheduler, KV kept) and resumed alone later, and still matches what was served; a corrupted served
+hash is counted as a mismatch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from samebits.config import EngineConfig
+from samebits.engine.engine import LLMEngine
+from samebits.output_hash import output_hash
+from samebits.sampling_params import SamplingParams
+from samebits.server.canary import Canary
+from samebits.server.metrics import Metrics
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 128, "eos_token_id": 299}
+PARAMS = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
+
+
+@pytest.fixture()
+def engine(tmp_path) -> LLMEngine:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return LLMEngine(EngineConfig(str(path), load_format="dummy", num_kv_blocks=32))
+
+
+def _served(engine: LLMEngine, rid: str, prompt: list[int]):
+    """Serve ``prompt`` beside two other requests; the finished sequence."""
+    seq = engine.add_request(rid, prompt, PARAMS)
+    for i, other in enumerate(([5, 6, 7, 8], [9] * 12)):
+        engine.add_request(f"{rid}-n{i}", other, PARAMS)
+    done = {s.request_id: s for s in engine.run_to_completion()}
+    assert done[rid] is seq
+    return seq
+
+
+def test_parked_replay_resumes_alone_and_matches(engine):
+    canary = Canary(1.0, Metrics("m", "fp", True))
+    canary.offer(_served(engine, "r1", [1, 2, 3]))
+    calls = iter([False, False, True])
+    canary.replay(engine, busy=lambda: next(calls, True))  # two steps, then work arrives
+    assert canary.parked and not engine.has_unfinished()
+    other = engine.add_request("late", [4, 4, 4], PARAMS)  # served while the replay is parked
+    assert other.request_id in {s.request_id for s in engine.run_to_completion()}
+    canary.replay(engine, busy=lambda: False)
+    assert not canary.pending
+    assert canary.metrics.canary_checks._value.get() == 1
+    assert canary.metrics.canary_mismatches._value.get() == 0
+
+
+def test_a_served_hash_that_differs_is_a_mismatch(engine):
+    canary = Canary(1.0, Metrics("m", "fp", True))
+    seq = _served(engine, "r2", [1, 2, 3])
+    seq.logprobs[-1] = seq.logprobs[-1] / 2  # what a batch-dependent kernel could have served
+    canary.offer(seq)
+    assert canary._pending[0].expected == output_hash([(seq.output_token_ids, seq.logprobs)])
+    canary.replay(engine, busy=lambda: False)
+    assert canary.metrics.canary_mismatches._value.get() == 1
