@@ -54,6 +54,7 @@ class SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -136,10 +137,15 @@ class EmbeddingRequest(_Request):
 
 
 # ---- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (never changes the bits)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):
