@@ -153,6 +153,9 @@ class EmbeddingService:
             job.ids = self.embedder.tokenize(job.inputs, job.truncate)
         except ValueError as e:
             self._finish(job, error=input_error(str(e)))
+        except Exception:  # never leave a caller waiting, never stop the worker
+            log.exception("tokenization failed; failing its request")
+            self._finish(job, error=APIError(500, "internal error in the embedder"))
 
     def _next_batch(self) -> list[tuple[_Job, int]]:
         """(job, number of its next inputs) for one embedder call, round robin: every job in
