@@ -6,7 +6,7 @@ ids). Prints one JSON line per --chunk value: the stream's largest gap between t
 the long prompt was being prefilled, and the long request's time to its first token. ``--chunk 0``
 runs the server with no prefill cap (the whole step budget), the control in the same run.
 
-    PYTHONPATH=$PWD python benchmarks/prefill_gap.py --chunk 256 --chunk 0
+    PYTHONPATH=$PWD python benchmarks/prefill_gap.py --chunk 128 --chunk 0
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--model", default=None)
     args = p.parse_args()
-    for chunk in args.chunk or [256, 0]:
+    for chunk in args.chunk or [128, 0]:
         print(json.dumps(measure(chunk, args.prompt_tokens, args.max_model_len, args.model)),
               flush=True)
 

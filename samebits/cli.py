@@ -22,7 +22,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens one sequence may prefill in a step, so running streams "
-                   "wait at most one such chunk (default: 256 on CPU, no cap on CUDA)")
+                   "wait at most one such chunk (default: 128 on CPU, no cap on CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 

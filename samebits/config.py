@@ -25,7 +25,7 @@ DECODER_ARCHITECTURES = (
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 # CPU default prefill chunk: keeps one chunk of the default model (with a few thousand tokens of
 # context before it) near or under a second on 2 cores (benchmarks/RESULTS.md, prefill gap)
-CPU_LONG_PREFILL_TOKENS = 256
+CPU_LONG_PREFILL_TOKENS = 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
