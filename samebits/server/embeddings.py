@@ -1,9 +1,11 @@
 """``POST /v1/embeddings``: texts or token ids -> one vector each, as floats or base64.
 
 One worker thread owns the ``Embedder`` (one call at a time) so the event loop never waits on the
-encoder. Requests that arrive while it works are embedded together in its next call: with the
-batch-invariant numerics a vector does not depend on what it was batched with, so this batching
-policy only changes throughput, never the bits (in ``--standard`` mode it does change them).
+encoder. Each call embeds at most ``max_batch_inputs`` inputs taken round robin from every request
+in flight, so large requests are split and interleaved with small ones, and a request whose client
+left is dropped before the next call. With the batch-invariant numerics a vector does not depend
+on what it was batched with, so this policy only changes latency, never the bits (in
+``--standard`` mode it does change them).
 """
 
 from __future__ import annotations
