@@ -20,6 +20,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="stock PyTorch ops instead of the batch-invariant ones")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens one sequence may prefill in a step, so running streams "
+                   "wait at most one such chunk (default: 128 on CPU, no cap on CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
@@ -29,7 +32,8 @@ def _llm(args: argparse.Namespace):
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager,
+                  long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.standard:
         kwargs["batch_invariant"] = False
     return LLM(args.model, **kwargs)
@@ -97,8 +101,15 @@ def _verify_url(args: argparse.Namespace) -> int:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (or SAMEBITS_API_KEY)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat to accept several "
+                   "keys (default: SAMEBITS_API_KEY, comma-separated keys); an empty key is an "
+                   "error")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests that may wait beyond those running; past it, 503 with "
+                   "Retry-After (default: no limit)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: from --model)")
     p.add_argument("--max-model-len", type=int, default=None,

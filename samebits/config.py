@@ -17,6 +17,9 @@ import torch
 from samebits import env
 from samebits.models.registry import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES  # noqa: F401
 
+# CPU default prefill chunk: keeps one chunk of the default model (with a few thousand tokens of
+# context before it) near or under a second on 2 cores (benchmarks/RESULTS.md, prefill gap)
+CPU_LONG_PREFILL_TOKENS = 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,6 +151,9 @@ class EngineConfig:
     # decode at batch 1 / 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
     attention_split_size: int = 128
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
+    # prompt tokens one sequence may prefill per step (vLLM's name), so a running stream waits at
+    # most one such chunk; None: CPU_LONG_PREFILL_TOKENS on CPU, no cap (the step budget) on CUDA
+    long_prefill_token_threshold: int | None = None
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
     # None: one device, the plain arithmetic. N >= 1: the segmented arithmetic of
     # samebits.distributed over N ranks (bitwise the same for every N dividing the KV heads)
@@ -169,6 +175,8 @@ class EngineConfig:
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=True)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold,
+                  allow_none=True)
         if self.attention_split_size % 16:
             raise ValueError(f"attention_split_size must be a multiple of 16, got "
                              f"{self.attention_split_size}")
@@ -178,6 +186,15 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The per-sequence prefill cap in force (``long_prefill_token_threshold`` resolved)."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        if self.torch_device.type == "cpu":
+            return CPU_LONG_PREFILL_TOKENS
+        return self.max_num_batched_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -192,7 +192,7 @@ class Embedder:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass token id lists")
             tok = self._truncating_tokenizer if truncate else self.tokenizer
-            return tok.encode(item).ids
+            return tok.encode_batch([item])[0].ids  # the batch call releases the GIL
         ids = _check_ids(n, item, self.model_config.vocab_size)
         return ids[:self.max_len] if truncate else ids
 

@@ -39,6 +39,9 @@ def cache_dir() -> Path:
     return base / "samebits"
 
 
-def api_key() -> str | None:
-    """SAMEBITS_API_KEY: bearer token the server requires when ``--api-key`` is not given."""
-    return os.environ.get("SAMEBITS_API_KEY") or None
+def api_keys() -> list[str] | None:
+    """SAMEBITS_API_KEY: the bearer token(s) the server requires when ``--api-key`` is not given;
+    several are separated by commas. None when unset; set but empty gives ``[""]``, which the
+    server refuses at startup (an empty key must never mean "no authentication")."""
+    raw = os.environ.get("SAMEBITS_API_KEY")
+    return None if raw is None else [k.strip() for k in raw.split(",")]

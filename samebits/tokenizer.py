@@ -3,6 +3,7 @@ generation_config.json), via the ``tokenizers`` library and a sandboxed jinja2 t
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids  # the post-processor's BOS
+        # encode_batch releases the GIL (encode does not), so a long text tokenized in a worker
+        # thread never stalls the server's event loop; the ids are the same
+        ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids  # + post-processor BOS
         bos = self.bos_token_id
         if self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [self.bos_token_id, *ids]
@@ -86,6 +89,21 @@ class Tokenizer:
     @property
     def byte_level(self) -> bool:
         return isinstance(self._tok.decoder, decoders.ByteLevel)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A certain lower bound on ``len(encode(text))``, without tokenizing: 0 when none is
+        known. Exact reasoning: with a byte-level vocabulary, no normalizer and no added token
+        that strips whitespace, every token covers at most ``len(its piece)`` characters."""
+        longest = self._longest_piece
+        return 0 if longest is None else -(-len(text) // longest)
+
+    @cached_property
+    def _longest_piece(self) -> int | None:
+        tok = self._tok
+        stripping = any(t.lstrip or t.rstrip for t in tok.get_added_tokens_decoder().values())
+        if not self.byte_level or tok.normalizer is not None or stripping:
+            return None
+        return max(len(piece) for piece in tok.get_vocab(with_added_tokens=True)) or None
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, *,

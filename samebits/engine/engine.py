@@ -36,7 +36,8 @@ class LLMEngine:
             self.fingerprint = enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
+                                   config.prefill_chunk_tokens)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
@@ -59,15 +60,17 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    score_only: bool = False) -> Sequence:
-        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing."""
+                    score_only: bool = False, cache_salt: str | None = None) -> Sequence:
+        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing.
+        ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
+        (None is a salt of its own); it never changes the bits, only what may be reused."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
         grammar = self._grammar(params) if not score_only else None
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only,
-                       grammar=grammar)
+                       grammar=grammar, cache_salt=cache_salt)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq

@@ -3,9 +3,10 @@
 Plain Python, no tensors. A block is reused from the prefix cache only when its hash matches, and
 the hash chains the parent block's hash, the block's token ids and the model's numerics
 fingerprint (weights digest, dtype, kernel config): a cached block is only ever read by the exact
-numerics that wrote it ("KV cache versioning"). Freed blocks keep their contents and hash until
-they are handed out again; blocks without a hash are handed out first, then cached ones, least
-recently freed first (LRU over unreferenced blocks).
+numerics that wrote it ("KV cache versioning"). A request's ``cache_salt`` enters the chain's
+root, so requests with different salts (tenants) never share a block. Freed blocks keep their
+contents and hash until they are handed out again; blocks without a hash are handed out first,
+then cached ones, least recently freed first (LRU over unreferenced blocks).
 """
 
 from __future__ import annotations
@@ -91,12 +92,18 @@ class KVCacheManager:
         h.update(b",".join(str(t).encode() for t in tokens))
         return h.digest()
 
+    def _salted_root(self, seq: Sequence) -> bytes:
+        if seq.cache_salt is None:
+            return self._root
+        salt = seq.cache_salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(self._root + b"|salt|" + salt).digest()
+
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.block_hashes`` over the full blocks among its first ``num_tokens``."""
         bs, tokens = self.block_size, seq.all_token_ids
         while (len(seq.block_hashes) + 1) * bs <= num_tokens:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else self._root
+            parent = seq.block_hashes[-1] if seq.block_hashes else self._salted_root(seq)
             seq.block_hashes.append(self._hash(parent, tokens[i * bs:(i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

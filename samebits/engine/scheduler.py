@@ -2,7 +2,11 @@
 
 Running sequences come first (a decode token, or the next chunk of a prefill), then waiting ones
 in arrival order, within ``max_num_batched_tokens`` and ``max_num_seqs``. Any prompt may be
-chunked at any boundary. When blocks run out, the most recently admitted running sequence is
+chunked at any boundary. Prefill tokens (every scheduled token of a
+sequence that has more than one left to compute) share a per-step budget of
+``long_prefill_token_threshold``, so a step holds at most one chunk of prefill beside the decodes:
+a running stream never waits longer than one chunk's compute, however long the prompts that
+arrive. When blocks run out, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
 None of these choices changes a sequence's bits (the ops are invariant); they change only speed.
 """
@@ -26,10 +30,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager
-                 ) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager,
+                 long_prefill_token_threshold: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = long_prefill_token_threshold or max_num_batched_tokens
+        self._prefill_left = 0  # prefill tokens still allowed in the step being scheduled
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -43,6 +49,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        self._prefill_left = self.prefill_chunk
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._schedule_waiting(batch, budget)
         return batch
@@ -51,7 +58,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a prefill, and this step's prefill budget is spent
+                i += 1
+                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -69,8 +79,8 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate(seq, n, cached):
+            n = self._chunk(seq.num_tokens - num_cached, budget)
+            if n == 0 or not self.kv.allocate(seq, n, cached):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
@@ -79,6 +89,15 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to schedule for a sequence with ``remaining`` to compute; a prefill (more than
+        one token left) draws on the step's prefill budget."""
+        if remaining <= 1:
+            return min(remaining, budget)
+        n = min(remaining, budget, self._prefill_left)
+        self._prefill_left -= n
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

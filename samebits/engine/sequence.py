@@ -25,6 +25,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     score_only: bool = False  # teacher-forced: logprob of every prompt token, nothing generated
+    cache_salt: str | None = None  # enters the first block's hash: no sharing across salts
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)

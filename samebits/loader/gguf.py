@@ -113,7 +113,8 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
         out.rmdir()
     reader = _open(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_orphans(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         try:
@@ -132,6 +133,30 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def remove_orphans(out: Path) -> list[Path]:
+    """Remove the temporary directories that killed conversions into ``out`` left behind.
+
+    A temporary directory is named ``.{out.name}.tmp-{pid}-{random}``; it is an orphan when no
+    process ``pid`` is alive (a live one may still be converting, so it is left alone)."""
+    removed = []
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name[len(f".{out.name}.tmp-"):].split("-", 1)[0]
+        if tmp.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def _default_cache_dir(path: Path) -> Path:

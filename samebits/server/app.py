@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +34,9 @@ from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingService, create_embedding
 from samebits.server.errors import APIError, from_validation_error
+from samebits.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from samebits.server.metrics import Metrics
+from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,13 +53,18 @@ DEFAULT_EMBED_MODEL_NAME = "all-MiniLM-L6-v2"
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | None = None, *,
-                embedder: Embedder | None = None,
-                embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
-                enable_weight_updates: bool = False, canary_rate: float = 0.0) -> FastAPI:
+def build_app(engine: LLMEngine | None, model_name: str | None,
+              api_key: str | Sequence[str] | None = None, *,
+              embedder: Embedder | None = None,
+              embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_queued_requests: int | None = None,
+              enable_weight_updates: bool = False, canary_rate: float = 0.0) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan). ``canary_rate``: the share of finished requests
-    the determinism canary replays alone (samebits.server.canary)."""
+    worker run while the app does (its lifespan). ``api_key``: one key or several (any of them
+    is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
+    limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
+    determinism canary replays alone (samebits.server.canary)."""
     if engine is not None:
         metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
                           engine.config.batch_invariant)
@@ -66,12 +74,13 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
         raise ValueError("build_app needs an engine, an embedder or both")
     loop = ctx = svc = None
     if engine is not None:
-        loop = AsyncEngine(engine, metrics, canary_rate)
+        loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
         ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer), engine.grammars)
     if embedder is not None:
-        svc = EmbeddingService(embedder, embed_model_name, metrics)
+        svc = EmbeddingService(embedder, embed_model_name, metrics,
+                               max_queued_requests=max_queued_requests)
         if engine is not None:
             metrics.add_model(embed_model_name, embedder.fingerprint)
     served = ServedModels(ctx, svc)
@@ -86,21 +95,39 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
             if worker is not None:
                 worker.stop()
 
-    app = FastAPI(title="samebits", lifespan=lifespan)
+    # redirect_slashes=False: a trailing-slash path is a 404, never a redirect built from Host
+    app = FastAPI(title="samebits", lifespan=lifespan, redirect_slashes=False)
     app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
-    router = _v1_router(served, api_key)
+    router = _v1_router(served, _keys(api_key))
     if enable_weight_updates and ctx is not None:
         from samebits.server import weight_updates
         weight_updates.add_route(router, ctx, metrics, _parse)
     app.include_router(router)
     _add_open_routes(app, served, metrics)
     _add_error_handlers(app)
-    app.add_middleware(StatusCounter, metrics=metrics)
+    document_bodies(app, REQUEST_BODIES)
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
+    app.add_middleware(StatusCounter, metrics=metrics)  # outermost: counts the guard's 413/415
     return app
 
 
-def _v1_router(served: ServedModels, api_key: str | None) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
+REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents for each POST
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+
+def _keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if any(not k for k in keys):
+        raise ValueError("an API key is empty: give a non-empty --api-key (or SAMEBITS_API_KEY), "
+                         "or none at all to serve without authentication")
+    return keys
+
+
+def _v1_router(served: ServedModels, api_keys: tuple[str, ...]) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_keys))])
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
@@ -117,7 +144,7 @@ def _v1_router(served: ServedModels, api_key: str | None) -> APIRouter:
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Any:
         req = await _parse(request, EmbeddingRequest)
-        return _json(await create_embedding(served.for_embedding(req.model), req))
+        return _json(await create_embedding(served.for_embedding(req.model), req, request))
 
     @router.get("/models")
     async def models() -> Any:
@@ -140,24 +167,44 @@ def _add_open_routes(app: FastAPI, served: ServedModels, metrics: Metrics) -> No
         return Response(metrics.render(), media_type=metrics.content_type)
 
 
-def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def _auth(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
-        if api_key is None:
+        if not api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
-                                                                 api_key.encode()):
+        # compare with every key (no early exit), so timing does not tell which key was close
+        matches = [hmac.compare_digest(token.encode(), key.encode()) for key in api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
     return check
 
 
 async def _parse(request: Request, model: type[M]) -> M:
-    """Parse the body ourselves: malformed JSON, invalid UTF-8 and wrong types are all 400s."""
+    """Parse the body ourselves: malformed JSON, invalid UTF-8, wrong types and non-finite
+    numbers (NaN, Infinity: not JSON) are all 400s."""
+    body = await request.body()
+    _finite_numbers_only(body)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _finite_numbers_only(body: bytes) -> None:
+    """A 400 if any number in ``body`` is NaN or +-Infinity (JSON has no such numbers). The
+    second, strict parse runs only when such a token can occur, so it costs nothing otherwise."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return
+    try:
+        pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as e:
+        try:
+            pydantic_core.from_json(body)
+        except ValueError:
+            return  # malformed otherwise: the model's parse reports it
+        raise APIError(400, f"the request body is not valid JSON: NaN and Infinity are not "
+                       f"numbers in JSON ({e})", code="invalid_json") from None
 
 
 def _json(result: Any) -> Any:
@@ -173,7 +220,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
+        return APIError(e.status_code, str(e.detail), headers=e.headers).response()  # 405: Allow
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -223,7 +270,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, device=args.device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.standard:
         kwargs["batch_invariant"] = False
     return EngineConfig(model=args.model, **kwargs)
@@ -256,7 +304,7 @@ def read_chat_template(spec: str) -> str:
     raise ValueError(f"--chat-template: {spec!r} is neither a file nor a jinja template")
 
 
-def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
+def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | None) -> FastAPI:
     """``--task embed``: only the embedding model ``--model``; otherwise the generation model,
     and beside it the embedding model ``--embed-model`` (DEFAULT or a path) when given."""
     if args.task == "embed":
@@ -265,7 +313,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
                              "names the embedding model")
         embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
         name = args.served_model_name or embed_model_name(args.model)
-        return build_app(None, None, api_key, embedder=embedder, embed_model_name=name)
+        return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
+                         **_limits(args))
     engine = LLMEngine(engine_config(args))
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
@@ -274,15 +323,25 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name,
+                     embedder=embedder, embed_model_name=embed_name, **_limits(args),
                      enable_weight_updates=getattr(args, "enable_weight_updates", False),
                      canary_rate=args.canary_rate)
 
 
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_request_bytes=args.max_request_bytes,
+                max_queued_requests=args.max_queued_requests)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every ``--api-key`` given, else SAMEBITS_API_KEY's comma-separated keys; an empty key
+    raises ``ValueError`` naming the API key (before any model is loaded)."""
+    return _keys(args.api_key if args.api_key is not None else env.api_keys())
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
-    api_key = args.api_key or env.api_key()
-    app = build_served_app(args, api_key)
+    app = build_served_app(args, api_keys(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -44,6 +44,7 @@ class RequestGroup:
     params: list[SamplingParams]
     seed_offsets: list[int]  # without a seed, request i gets the drawn seed + seed_offsets[i]
     stream: bool  # deliver every step's tokens, not only the final output
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
@@ -57,6 +58,7 @@ class _Tracked:
     seen: int = 0  # tokens counted in the metrics
     sent: int = 0  # tokens delivered to the caller
     last_token: float = 0.0
+    queued: bool = False  # counted in AsyncEngine._queued (until it first runs or leaves)
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,24 @@ class _UpdateWeights:
 
 
 _STOP = object()
+SEED_MODULUS = 2**63  # seeds live in [0, 2**63 - 1]; per-choice seeds S + i wrap around
+RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
+
+
+def choice_seed(seed: int, offset: int) -> int:
+    """The seed of choice ``offset`` of a request with seed ``seed``: (seed + offset) mod 2**63."""
+    return (seed + offset) % SEED_MODULUS
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, canary_rate: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics,
+                 max_queued_requests: int | None = None, canary_rate: float = 0.0) -> None:
         self.engine = engine
         self.metrics = metrics
         self.canary = Canary(canary_rate, metrics, engine.config.seed)
+        self.max_queued_requests = max_queued_requests
+        self._queued = 0  # engine requests submitted and not yet running (under _lock)
+        self._lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -108,9 +121,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     async def submit(self, group: RequestGroup) -> None:
-        """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid."""
+        """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid and
+        ``QueueFull`` past ``max_queued_requests`` (a group is admitted whole into an empty
+        queue, so any group can run)."""
         if self._stopped or not self.alive:
             raise RuntimeError("the engine loop is not running")
+        self._reserve(len(group.request_ids))
         done: Future = Future()
         self._commands.put(_Add(group, done))
         try:
@@ -128,6 +144,17 @@ class AsyncEngine:
         done: Future = Future()
         self._commands.put(_UpdateWeights(tensors, done))
         return await asyncio.wrap_future(done)
+
+    def _reserve(self, n: int) -> None:
+        with self._lock:
+            limit = self.max_queued_requests
+            if limit is not None and self._queued > 0 and self._queued + n > limit:
+                raise QueueFull(self._queued, limit)
+            self._queued += n
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._queued -= n
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (idempotent: finished or unknown ids are ignored)."""
@@ -196,6 +223,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         if not cmd.done.set_running_or_notify_cancel():
+            self._release(len(cmd.group.request_ids))
             return  # the caller went away before admission
         group, seqs = cmd.group, []
         try:
@@ -203,18 +231,19 @@ class AsyncEngine:
             for rid, ids, p, off in zip(group.request_ids, group.prompts, group.params,
                                         group.seed_offsets, strict=True):
                 if p.seed is None and base is not None:
-                    p = replace(p, seed=base + off)
-                seq = self.engine.add_request(rid, ids, p)
-                base = seq.seed - off if base is None else base
+                    p = replace(p, seed=choice_seed(base, off))
+                seq = self.engine.add_request(rid, ids, p, cache_salt=group.cache_salt)
+                base = choice_seed(seq.seed, -off) if base is None else base
                 seqs.append(seq)
         except Exception as e:  # all or nothing, as LLM.generate
             for seq in seqs:
                 self.engine.abort(seq.request_id)
+            self._release(len(group.request_ids))
             cmd.done.set_exception(e)
             return
         group.seeds = [s.seed for s in seqs]
         for i, seq in enumerate(seqs):
-            self._tracked[seq.request_id] = _Tracked(group, i)
+            self._tracked[seq.request_id] = _Tracked(group, i, queued=True)
             self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         cmd.done.set_result(None)
 
@@ -238,8 +267,15 @@ class AsyncEngine:
         for add in held:
             self._add(add)
 
+    def _untrack(self, request_id: str) -> _Tracked | None:
+        t = self._tracked.pop(request_id, None)
+        if t is not None and t.queued:
+            t.queued = False
+            self._release(1)
+        return t
+
     def _abort(self, request_id: str) -> None:
-        if self._tracked.pop(request_id, None) is not None:
+        if self._untrack(request_id) is not None:
             self.engine.abort(request_id)
             self.metrics.finished.labels(reason="abort").inc()
 
@@ -255,11 +291,20 @@ class AsyncEngine:
             self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
         if progressed:
             self.metrics.batch_size.observe(len(progressed))
+        self._mark_running()
         now = time.monotonic()
         for seq in progressed:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
                 self._deliver(seq, tracked, now)
+
+    def _mark_running(self) -> None:
+        """Requests the scheduler has taken in leave the queue count."""
+        for seq in self.engine.scheduler.running:
+            t = self._tracked.get(seq.request_id)
+            if t is not None and t.queued:
+                t.queued = False
+                self._release(1)
 
     def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
         total = len(seq.output_token_ids)
@@ -274,7 +319,7 @@ class AsyncEngine:
         if seq.is_finished:
             output = self.engine.output(seq)
             self.engine.requests.pop(seq.request_id, None)
-            del self._tracked[seq.request_id]
+            self._untrack(seq.request_id)
             self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
         elif not t.group.stream or total == t.sent:
@@ -285,7 +330,8 @@ class AsyncEngine:
                              seq.top_logprobs[s], output))
 
     def _fail(self, request_id: str, message: str) -> None:
-        t = self._tracked.pop(request_id)
+        t = self._untrack(request_id)
+        assert t is not None
         try:
             self.engine.abort(request_id)
         except Exception:  # the engine is in a bad state; the request is dropped either way
@@ -297,6 +343,14 @@ class AsyncEngine:
         sched = self.engine.scheduler
         self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
                                       self.engine.kv.pool.num_used)
+
+
+class QueueFull(Exception):
+    """More requests wait than ``--max-queued-requests`` allows: the caller answers 503."""
+
+    def __init__(self, queued: int, limit: int) -> None:
+        super().__init__(f"the server is busy: {queued} requests are queued (limit {limit}, "
+                         "--max-queued-requests); retry later")
 
 
 def _post(group: RequestGroup, delta: Delta) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -48,13 +49,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     plan = tool_plan(req)
     spec = await _constraint(ctx, req, plan)
-    ids = ctx.encode(_render(ctx, req), "messages")
+    ids = await ctx.encode(await asyncio.to_thread(_render, ctx, req), "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.max_model_len - len(ids)
     ctx.check_length(ids, max_tokens, "messages")
     k = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, k if req.logprobs else None, spec)
     response_id = new_id("chatcmpl")
-    group = make_group(response_id, [ids], [params], req.n, req.stream)
+    group = make_group(response_id, [ids], [params], req.n, req.stream,
+                       req.cache_salt)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                   seed=seed)

@@ -37,7 +37,7 @@ from samebits.server.tokens import TextStream
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
                             ) -> Response:
     ctx.check_model(req.model)
-    prompts = _prompts(ctx, req.prompt)
+    prompts = await _prompts(ctx, req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices "
                        "per request", param="n")
@@ -48,7 +48,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     await check_constraint(ctx, spec, field)
     params = sampling_params(req, max_tokens, req.logprobs, spec)
     response_id = new_id("cmpl")
-    group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream)
+    group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream,
+                       req.cache_salt)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                   seed=seed)
@@ -60,13 +61,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                        outputs)
 
 
-def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
+async def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [ctx.encode(prompt, "prompt")]
+        return [await ctx.encode(prompt, "prompt")]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
     if isinstance(prompt[0], str):
-        return [ctx.encode(p, "prompt") for p in prompt]
+        return [await ctx.encode(p, "prompt") for p in prompt]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]

@@ -11,14 +11,17 @@ from samebits.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "server_error"}
+          413: "invalid_request_error", 415: "invalid_request_error",
+          503: "server_error"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Allow on a 405, Retry-After on a 503
         self.type = type or _TYPES.get(status, "server_error" if status >= 500
                                        else "invalid_request_error")
 
@@ -26,7 +29,8 @@ class APIError(Exception):
         return ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status)
+        return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status,
+                            headers=self.headers)
 
 
 def from_validation_error(e: ValidationError) -> APIError:

@@ -133,6 +133,7 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -228,10 +229,15 @@ class EmbeddingRequest(_Request):
 
 
 # ---- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (never changes the bits)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

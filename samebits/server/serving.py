@@ -18,9 +18,16 @@ from samebits.engine.grammar import GrammarCompiler
 from samebits.engine.sequence import RequestOutput
 from samebits.output_hash import HEADER, output_hash
 from samebits.sampling_params import SamplingParams
-from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
+from samebits.server.async_engine import (
+    RETRY_AFTER_S,
+    AsyncEngine,
+    Delta,
+    QueueFull,
+    RequestGroup,
+    choice_seed,
+)
 from samebits.server.errors import APIError, from_value_error
-from samebits.server.protocol import ErrorResponse, SamplingFields, Usage
+from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
 from samebits.server.tokens import TokenText
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.tokenizer import Tokenizer
@@ -41,11 +48,18 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread (the event loop keeps serving);
+        a text that certainly cannot fit the context is refused before tokenizing."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids", param=param)
+        at_least = self.tokenizer.min_num_tokens(text)
+        if at_least >= self.max_model_len:
+            raise APIError(400, f"{param} has at least {at_least} tokens ({len(text)} characters); "
+                           f"this model's context is {self.max_model_len} tokens", param=param,
+                           code="context_length_exceeded")
         try:
-            return self.tokenizer.encode(text)
+            return await asyncio.to_thread(self.tokenizer.encode, text)
         except UnicodeError:
             raise APIError(400, f"{param} is not valid UTF-8", param=param) from None
 
@@ -80,16 +94,17 @@ def _or(value, default):
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
-               stream: bool) -> RequestGroup:
-    """n engine requests per prompt; with a seed S, choice i of each prompt uses seed S + i."""
+               stream: bool, cache_salt: str | None = None) -> RequestGroup:
+    """n engine requests per prompt; with a seed S, choice i of each prompt uses seed
+    (S + i) mod 2**63, so every reported seed is a valid request seed."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         for i in range(n):
             ids.append(f"{prefix}-{p}-{i}")
             all_prompts.append(prompt)
-            all_params.append(sp if sp.seed is None else replace(sp, seed=sp.seed + i))
+            all_params.append(sp if sp.seed is None else replace(sp, seed=choice_seed(sp.seed, i)))
             offsets.append(i)
-    return RequestGroup(ids, all_prompts, all_params, offsets, stream)
+    return RequestGroup(ids, all_prompts, all_params, offsets, stream, cache_salt)
 
 
 def new_id(kind: str) -> str:
@@ -102,7 +117,10 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
         await ctx.engine.submit(group)
     except ValueError as e:
         raise from_value_error(e) from None
-    return group.seeds[0] - group.seed_offsets[0]
+    except QueueFull as e:
+        raise APIError(503, str(e), code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    return choice_seed(group.seeds[0], -group.seed_offsets[0])
 
 
 async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
@@ -147,10 +165,14 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def usage(outputs: list[RequestOutput], n: int) -> Usage:
+    """Token counts; ``cached_tokens``: prompt tokens read from the prefix cache (each prompt
+    counted once, as its first choice found it)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])  # each prompt counted once
     completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs[::n])
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def hash_outputs(outputs: list[RequestOutput]) -> str:

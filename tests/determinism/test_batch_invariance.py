@@ -33,6 +33,12 @@ def test_bitwise_equal_with_chunked_prefill_at_odd_boundaries_and_prefix_hits(re
     assert _mismatches([(o.token_ids, o.logprobs) for o in outs], want) == []
 
 
+def test_bitwise_equal_with_a_small_per_step_prefill_chunk(reference):
+    reqs, want = reference
+    llm = LLM(max_num_seqs=16, long_prefill_token_threshold=7)  # prefills share 7 tokens a step
+    assert _mismatches(run_shuffled(llm, reqs, 5), want) == []
+
+
 def test_bitwise_equal_when_requests_are_preempted_and_recomputed(reference):
     reqs, want = reference
     llm = LLM(max_num_seqs=16, num_kv_blocks=40, enable_prefix_caching=False)

@@ -1,6 +1,6 @@
 """Real ``samebits serve`` processes on loopback (a free port each), shared by the server tests.
 
-``server``: the batch-invariant numerics, behind an API key. ``standard_server``: ``--standard``,
+``server``: the batch-invariant numerics, behind two API keys. ``standard_server``: ``--standard``,
 no key (the negative control). Both use the default SmolLM2-135M model with a 1024-token context.
 """
 
@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key-123"
+SECOND_API_KEY = "second-key-456"  # the server fixture accepts both
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 300
 
@@ -120,7 +121,7 @@ def _wait_ready(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    yield from start_server(api_key=API_KEY)
+    yield from start_server("--api-key", SECOND_API_KEY, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

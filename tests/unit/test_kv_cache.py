@@ -385,3 +385,15 @@ def test_abort_of_a_waiting_running_and_preempted_sequence_frees_everything() ->
     sched.finish(a, "abort")  # running
     assert not sched.has_unfinished()
     assert kv.pool.num_free == 6
+
+
+def test_cache_salt_separates_prefix_hits() -> None:
+    kv = KVCacheManager(64, 4, True, "fp")
+    params = SamplingParams(max_tokens=1)
+    first = Sequence("a", list(range(13)), params, seed=0, cache_salt="tenant-a")
+    assert kv.allocate(first, 13)
+    first.num_computed_tokens = 13
+    kv.commit(first)
+    for salt, hits in (("tenant-a", 3), ("tenant-b", 0), (None, 0)):
+        seq = Sequence(f"q-{salt}", list(range(13)), params, seed=0, cache_salt=salt)
+        assert len(kv.find_cached_prefix(seq)) == hits, salt

@@ -325,3 +325,27 @@ def test_score_only_sequence_preempted_mid_prefill_reports_each_logprob_once() -
     assert s.num_preemptions >= 1
     assert s.finish_reason == "length"
     assert s.prompt_logprobs == [float(i) for i in range(1, 12)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 16])
+def test_prefill_chunk_bounds_each_step_and_running_streams_decode_every_step(chunk: int) -> None:
+    kv = KVCacheManager(256, 4, True, "fp")
+    sched = Scheduler(8, 64, kv, long_prefill_token_threshold=chunk)
+    stream = _seq("stream", 3, 40, base=500)
+    longs = [_seq(f"long{i}", 50, 2, base=100 * i) for i in range(2)]
+    trace = run(sched, [stream, *longs], arrivals={0: [stream], 2: longs})
+    prompt_len = {s.request_id: len(s.prompt_token_ids) for s in [stream, *longs]}
+    for step, batch in enumerate(trace.batches):
+        # a prefill chunk: scheduled while more than one token was left to compute
+        prefill = sum(n for rid, start, n in batch if start < prompt_len[rid] - 1)
+        assert prefill <= chunk, (step, batch)
+    with_stream = [i for i, b in enumerate(trace.batches) if any(r == "stream" for r, _, _ in b)]
+    assert with_stream == list(range(len(with_stream)))  # every step until it finished
+    overlap = sum(any(r.startswith("long") for r, _, _ in trace.batches[i]) for i in with_stream)
+    assert overlap >= min(100 // (2 * chunk), 30)  # the long prompts prefilled beside it
+    _assert_all_done(sched, [stream, *longs])
+
+
+def test_prefill_chunk_default_is_the_step_budget() -> None:
+    sched = _make(budget=32)
+    assert sched.prefill_chunk == 32
