@@ -10,6 +10,7 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
+from samebits.engine.logits_processor import apply_logits_processors
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
@@ -138,10 +139,11 @@ class ModelRunner:
     def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
                 result: StepResult) -> None:
         rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-        tokens, logprobs = sampler.sample(
-            self.model.ops, logits, [s.params for s in seqs], [s.seed for s in seqs],
-            [len(s.output_token_ids) for s in seqs])
+        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32, raw
+        logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
+        logits = apply_logits_processors(logits, seqs)
+        tokens = sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                [len(s.output_token_ids) for s in seqs])
         chosen = logprobs.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
         result.sampled, result.tokens = seqs, tokens
         result.logprobs = chosen.tolist()

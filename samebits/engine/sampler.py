@@ -5,9 +5,10 @@ The noise for token ``v`` of a request's ``i``-th generated token is a hash of (
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
 Filters: top-k (exactly k tokens; among equal logits the lowest ids) and top-p on one stable sort,
 through fixed 16-row tiles so a row's cumulative sums never depend on its neighbours; min-p
-(``exp(x - max) >= min_p``, no reduction). Greedy is ``argmax``
-of the raw logits; ties go to the lowest token id. Reported logprobs are ``log_softmax`` of the raw
-fp32 logits through the invariant backend.
+(``exp(x - max) >= min_p``, no reduction). Greedy is ``argmax``; ties go to the lowest token id.
+Both see the logits after the request's logits processors (``samebits.engine.logits_processor``:
+bias, penalties, min_tokens); the reported logprobs are ``log_softmax`` of the *raw* fp32 logits,
+taken by the runner through the invariant backend before the processors run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import math
 
 import torch
 
-from samebits.ops.backend import OpBackend
 from samebits.ops.tiles import by_tiles
 from samebits.sampling_params import SamplingParams
 
@@ -78,10 +78,9 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x
 
 
-def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           indices: list[int]) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V])."""
-    logprobs = ops.log_softmax(logits)
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           indices: list[int]) -> list[int]:
+    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row."""
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -91,4 +90,4 @@ def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], s
         keys = torch.tensor([stream_key(seeds[i], indices[i]) for i in rows],
                             device=logits.device, dtype=torch.int64)  # [B, 2]
         tokens[idx] = (x + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)
-    return tokens.tolist(), logprobs
+    return tokens.tolist()
