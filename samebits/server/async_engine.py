@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import RequestOutput, Sequence
-from samebits.sampling_params import SamplingParams
+from samebits.engine.sequence import CompletionOutput, Sequence
+from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.metrics import Metrics
 
 log = logging.getLogger("samebits.server")
@@ -32,7 +32,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    output: RequestOutput | None = None
+    output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
 
 
@@ -41,7 +41,7 @@ class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
     params: list[SamplingParams]
-    seed_offsets: list[int]  # without a seed, request i gets the drawn seed + seed_offsets[i]
+    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
     stream: bool  # deliver every step's tokens, not only the final output
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -167,9 +167,9 @@ class AsyncEngine:
             for rid, ids, p, off in zip(group.request_ids, group.prompts, group.params,
                                         group.seed_offsets, strict=True):
                 if p.seed is None and base is not None:
-                    p = replace(p, seed=base + off)
-                seq = self.engine.add_request(rid, ids, p)
-                base = seq.seed - off if base is None else base
+                    p = replace(p, seed=choice_seed(base, off))
+                seq = self.engine.add_request(rid, ids, p, index=off)
+                base = choice_seed(seq.seed, -off) if base is None else base
                 seqs.append(seq)
         except Exception as e:  # all or nothing, as LLM.generate
             for seq in seqs:
@@ -214,7 +214,7 @@ class AsyncEngine:
             t.seen, t.last_token = total, now
         output = None
         if seq.is_finished:
-            output = self.engine.output(seq)
+            output = self.engine.completion(seq)
             self.engine.requests.pop(seq.request_id, None)
             del self._tracked[seq.request_id]
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from samebits.engine.sequence import RequestOutput
+from samebits.engine.sequence import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import chat_logprobs
@@ -22,6 +22,7 @@ from samebits.server.protocol import (
 )
 from samebits.server.serving import (
     ServingContext,
+    best,
     collect,
     deltas,
     make_group,
@@ -44,15 +45,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     k = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, k if req.logprobs else None)
     response_id = new_id("chatcmpl")
-    group = make_group(response_id, [ids], [params], req.n, req.stream)
+    group = make_group(response_id, [ids], [params], req.num_candidates(), req.stream)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                   seed=seed)
     if req.stream:
         return sse(ctx, group, lambda: _events(ctx, req, group, header))
     outputs = await collect(ctx, group, request)
-    choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+    choices = [_choice(ctx, req, o) for o in best(outputs, req.n, req.num_candidates())]
+    return ChatCompletionResponse(**header, choices=choices, usage=usage([ids], outputs))
 
 
 def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
@@ -73,11 +74,11 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     return chat_logprobs(ctx.token_text, token_ids, logprobs, top, req.top_logprobs or 0)
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, index: int, out: RequestOutput,
-            seed: int) -> ChatChoice:
-    return ChatChoice(index=index, message=ChatMessageOut(content=out.text),
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, out: CompletionOutput
+            ) -> ChatChoice:
+    return ChatChoice(index=out.index, message=ChatMessageOut(content=out.text),
                       logprobs=_logprobs(ctx, req, out.token_ids, out.logprobs, out.top_logprobs),
-                      finish_reason=out.finish_reason, seed=seed)
+                      finish_reason=out.finish_reason, seed=out.seed)
 
 
 async def _events(ctx: ServingContext, req: ChatCompletionRequest, group: RequestGroup,
@@ -86,7 +87,7 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, group: Reques
     for i, seed in enumerate(group.seeds):
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
             index=i, delta=ChatDelta(role="assistant", content=""), seed=seed)])
-    finals: list[RequestOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
         text = texts[d.index].push(d.token_ids)
         if d.output is not None:
@@ -98,4 +99,4 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, group: Reques
             finish_reason=d.output.finish_reason if d.output is not None else None,
             seed=group.seeds[d.index])])
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield ChatCompletionChunk(**header, choices=[], usage=usage(finals, req.n))
+        yield ChatCompletionChunk(**header, choices=[], usage=usage(group.prompts[:1], finals))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from samebits.engine.sequence import RequestOutput
+from samebits.engine.sequence import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import completion_logprobs, text_length
@@ -19,6 +19,7 @@ from samebits.server.protocol import (
 )
 from samebits.server.serving import (
     ServingContext,
+    best,
     collect,
     deltas,
     make_group,
@@ -35,23 +36,25 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                             ) -> CompletionResponse | StreamingResponse:
     ctx.check_model(req.model)
     prompts = _prompts(ctx, req.prompt)
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices "
-                       "per request", param="n")
+    k = req.num_candidates()
+    if len(prompts) * k > MAX_CHOICES:
+        name = "n" if req.best_of is None else "best_of"
+        raise APIError(400, f"{len(prompts)} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
+                       "per request", param=name)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         ctx.check_length(ids, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs)
     response_id = new_id("cmpl")
-    group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream)
+    group = make_group(response_id, prompts, [params] * len(prompts), k, req.stream)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                   seed=seed)
     if req.stream:
         return sse(ctx, group, lambda: _events(ctx, req, group, header))
     outputs = await collect(ctx, group, request)
-    choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return CompletionResponse(**header, choices=choices, usage=usage(outputs, req.n))
+    choices = [_choice(ctx, req, o) for o in best(outputs, req.n, k)]
+    return CompletionResponse(**header, choices=choices, usage=usage(prompts, outputs))
 
 
 def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
@@ -66,21 +69,21 @@ def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, index: int, out: RequestOutput,
-            seed: int) -> CompletionChoice:
+def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput
+            ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None:
         logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.logprobs,
                                        out.top_logprobs)
-    return CompletionChoice(index=index, text=out.text, logprobs=logprobs,
-                            finish_reason=out.finish_reason, seed=seed)
+    return CompletionChoice(index=out.index, text=out.text, logprobs=logprobs,
+                            finish_reason=out.finish_reason, seed=out.seed)
 
 
 async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
                   header: dict) -> AsyncIterator[CompletionResponse]:
     texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
     offsets = [0] * len(texts)
-    finals: list[RequestOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
         text = texts[d.index].push(d.token_ids)
         if d.output is not None:
@@ -96,4 +99,4 @@ async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGro
             index=d.index, text=text, logprobs=logprobs, finish_reason=finish,
             seed=group.seeds[d.index])])
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield CompletionResponse(**header, choices=[], usage=usage(finals, req.n))
+        yield CompletionResponse(**header, choices=[], usage=usage(group.prompts[::req.n], finals))

@@ -1,6 +1,7 @@
 """What both endpoints share: checking a request against the model, turning it into engine
-requests (one per choice, seeds ``S + i``), and getting the results back -- whole, or as a
-server-sent-event stream -- while aborting whatever a departed client leaves behind."""
+requests (one per choice, or per best_of candidate; seeds ``S + i``), and getting the results back
+-- whole, or as a server-sent-event stream -- while aborting whatever a departed client leaves
+behind."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from samebits.engine.sequence import RequestOutput
-from samebits.sampling_params import SamplingParams
+from samebits.engine.sequence import CompletionOutput
+from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.protocol import ErrorResponse, SamplingFields, Usage
@@ -59,6 +60,9 @@ class ServingContext:
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None
                     ) -> SamplingParams:
     """The request's sampling parameters (choice 0's seed); engine-side checks become 400s."""
+    if req.stream and req.num_candidates() > req.n:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the "
+                       "end): set stream=false or best_of=n", param="best_of")
     defaults = SamplingParams()
     try:
         return SamplingParams(
@@ -66,7 +70,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None
             temperature=_or(req.temperature, defaults.temperature),
             top_p=_or(req.top_p, defaults.top_p), top_k=_or(req.top_k, defaults.top_k),
             min_p=_or(req.min_p, defaults.min_p), stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos)
+            ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of, logit_bias=req.logit_bias,
+            presence_penalty=_or(req.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_or(req.frequency_penalty, defaults.frequency_penalty),
+            repetition_penalty=_or(req.repetition_penalty, defaults.repetition_penalty),
+            min_tokens=req.min_tokens)
     except ValueError as e:
         raise from_value_error(e) from None
 
@@ -77,15 +85,28 @@ def _or(value, default):
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
                stream: bool) -> RequestGroup:
-    """n engine requests per prompt; with a seed S, choice i of each prompt uses seed S + i."""
+    """n engine requests per prompt (its candidates); with a seed S, candidate i of each prompt
+    uses seed ``choice_seed(S, i)`` = S + i (wrapped into [0, 2**63))."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         for i in range(n):
             ids.append(f"{prefix}-{p}-{i}")
             all_prompts.append(prompt)
-            all_params.append(sp if sp.seed is None else replace(sp, seed=sp.seed + i))
+            all_params.append(sp if sp.seed is None else replace(sp, seed=choice_seed(sp.seed, i)))
             offsets.append(i)
     return RequestGroup(ids, all_prompts, all_params, offsets, stream)
+
+
+def best(outputs: list[CompletionOutput], n: int, candidates: int) -> list[CompletionOutput]:
+    """Per prompt (``candidates`` consecutive outputs), the n with the highest cumulative logprob
+    (stable: ties keep the lower candidate first), as choices numbered in order."""
+    chosen = []
+    for start in range(0, len(outputs), candidates):
+        group = outputs[start:start + candidates]
+        if candidates > n:
+            group = sorted(group, key=lambda o: -o.cumulative_logprob)[:n]
+        chosen.extend(group)
+    return [replace(o, index=i) for i, o in enumerate(chosen)]
 
 
 def new_id(kind: str) -> str:
@@ -98,7 +119,7 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
         await ctx.engine.submit(group)
     except ValueError as e:
         raise from_value_error(e) from None
-    return group.seeds[0] - group.seed_offsets[0]
+    return choice_seed(group.seeds[0], -group.seed_offsets[0])
 
 
 async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
@@ -113,9 +134,9 @@ async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
 
 
 async def collect(ctx: ServingContext, group: RequestGroup, request: Request
-                  ) -> list[RequestOutput]:
+                  ) -> list[CompletionOutput]:
     """Wait for all outputs; a client that disconnects first aborts the group."""
-    outputs: list[RequestOutput | None] = [None] * len(group.request_ids)
+    outputs: list[CompletionOutput | None] = [None] * len(group.request_ids)
     watcher = asyncio.create_task(_wait_disconnect(request))
     waiter = asyncio.ensure_future(_gather(group, outputs))
     try:
@@ -130,7 +151,7 @@ async def collect(ctx: ServingContext, group: RequestGroup, request: Request
             ctx.engine.abort(group.request_ids)
 
 
-async def _gather(group: RequestGroup, outputs: list) -> list[RequestOutput]:
+async def _gather(group: RequestGroup, outputs: list) -> list[CompletionOutput]:
     async for delta in deltas(group):
         if delta.output is not None:
             outputs[delta.index] = delta.output
@@ -142,8 +163,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def usage(outputs: list[RequestOutput], n: int) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])  # each prompt counted once
+def usage(prompts: list[list[int]], outputs: list[CompletionOutput]) -> Usage:
+    """Each prompt counted once; every generated token counted (best_of's unchosen too)."""
+    prompt = sum(len(p) for p in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
