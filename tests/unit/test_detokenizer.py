@@ -54,14 +54,13 @@ def test_each_token_decodes_a_bounded_window(tokenizer):
 def test_first_stop_found_where_a_full_search_finds_it(tokenizer, stops):
     ids = tokenizer.encode(TEXT)
     d = IncrementalDetokenizer(tokenizer, stops)
-    for i, t in enumerate(ids):
-        cut = d.find_stop(len(d.push(t)))
-        if cut is not None:
-            break
-    full = tokenizer.decode(ids[:i + 1])
+    cut, n = None, 0
+    while cut is None:
+        cut, n = d.find_stop(len(d.push(ids[n]))), n + 1
+    full = tokenizer.decode(ids[:n])
     want = min(full.find(s) for s in stops if s in full)
     assert cut == want and d.text[:cut] == full[:want]
-    assert not any(s in tokenizer.decode(ids[:i]) for s in stops), "stopped at the first match"
+    assert not any(s in tokenizer.decode(ids[:n - 1]) for s in stops), "stopped at the first match"
 
 
 def test_a_stop_string_completed_by_a_later_token_is_found_once_and_not_before(tokenizer):
