@@ -114,6 +114,11 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # what an SDK's model_dump() of a returned message adds; only null is accepted (no effect)
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _has_content(self):

@@ -49,8 +49,8 @@ def test_no_op_fields_are_accepted_and_change_nothing(server):
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True}) if c.choices)
     assert streamed == plain.message.content
-    cmpl = client.completions.create(**GREEDY, user="u-2", metadata={"k": "v"}, store=False,
-                                     service_tier="auto")
+    cmpl = client.completions.create(**GREEDY, user="u-2", extra_body={
+        "metadata": {"k": "v"}, "store": False, "service_tier": "auto"})
     assert cmpl.choices[0].text == _text(client)
 
 
