@@ -165,9 +165,12 @@ class LLMEngine:
         """One sequence's result: choice ``seq.index``, or ``index`` when given (best_of
         renumbers the chosen candidates)."""
         text = seq.text
-        if text is None:
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
-        return CompletionOutput(seq.index if index is None else index, text,
+        if text is None and self.tokenizer is not None:
+            ids = seq.output_token_ids
+            if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids:
+                ids = ids[:-1]  # as vLLM: the token that stopped it is not in the text
+            text = self.tokenizer.decode(ids)
+        return CompletionOutput(seq.index if index is None else index, text or "",
                                 list(seq.output_token_ids), list(seq.logprobs),
                                 list(seq.top_logprobs), float(sum(seq.logprobs)),
                                 seq.finish_reason, seq.seed)

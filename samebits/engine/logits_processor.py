@@ -35,7 +35,7 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     active = [(proc, rows) for proc in PROCESSORS if (rows := proc.rows(seqs))]
     if not active:
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
     for proc, rows in active:
         proc.apply(logits, seqs, rows)
     return logits
@@ -48,37 +48,42 @@ class LogitBias:
 
     @staticmethod
     def apply(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        r, t, v = [], [], []
-        for i in rows:
-            for token, bias in seqs[i].params.logit_bias.items():
-                r.append(i)
-                t.append(token)
-                v.append(bias)
-        dev = logits.device
-        r_idx, t_idx = torch.tensor(r, device=dev), torch.tensor(t, device=dev)
-        logits[r_idx, t_idx] = logits[r_idx, t_idx] + torch.tensor(v, device=dev,
-                                                                   dtype=logits.dtype)
+        biases = [seqs[i].params.logit_bias for i in rows]
+        r, t = _pairs([list(b) for b in biases], rows, logits.device)
+        values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype)
+        logits[r, t] = logits[r, t] + values.to(logits.device)
 
 
 class Penalties:
+    """Touches only the (row, token) pairs of tokens in a row's prompt or output: the others
+    are left as they are (the dense formula leaves them bitwise unchanged too)."""
+
     @staticmethod
     def rows(seqs: list[Sequence]) -> list[int]:
         return [i for i, s in enumerate(seqs) if s.params.has_penalties]
 
     @staticmethod
     def apply(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        dev, dtype, v = logits.device, logits.dtype, logits.shape[-1]
-        ps = [seqs[i].params for i in rows]
-        x = logits[torch.tensor(rows, device=dev)]
-        counts = _counts([seqs[i].output_token_ids for i in rows], v, dev)
-        seen = _mask([seqs[i].prompt_token_ids for i in rows], v, dev) | (counts > 0)
-        rep = torch.tensor([p.repetition_penalty for p in ps], device=dev, dtype=dtype)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        freq = torch.tensor([p.frequency_penalty for p in ps], device=dev, dtype=dtype)[:, None]
+        v, dtype = logits.shape[-1], logits.dtype
+        out = _keys([seqs[i].output_token_ids for i in rows], rows, v)
+        keys = torch.unique(torch.cat([_keys([seqs[i].prompt_token_ids for i in rows], rows, v),
+                                       out]))  # sorted (row, token) pairs, each once
+        out_keys, out_counts = torch.unique(out, return_counts=True)
+        counts = torch.zeros_like(keys)
+        counts[torch.searchsorted(keys, out_keys)] = out_counts
+        row = keys // v
+        params = [s.params for s in seqs]
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=dtype)[row]
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=dtype)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=dtype)[row]
+        dev = logits.device
+        keys, counts, rep, freq, pres = (t.to(dev) for t in (keys, counts, rep, freq, pres))
+        flat = logits.view(-1)
+        x = flat[keys]
+        x = torch.where(x > 0, x / rep, x * rep)  # every key is in the prompt or the output
         x = x - freq * counts.to(dtype)
-        pres = torch.tensor([p.presence_penalty for p in ps], device=dev, dtype=dtype)[:, None]
         x = x - pres * (counts > 0).to(dtype)
-        logits[torch.tensor(rows, device=dev)] = x
+        flat[keys] = x
 
 
 class MinTokens:
@@ -91,35 +96,22 @@ class MinTokens:
     def apply(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         v = logits.shape[-1]
         ids = [[t for t in sorted(seqs[i].stop_ids) if t < v] for i in rows]
-        logits[_mask(ids, v, logits.device, rows, logits.shape[0])] = -math.inf
+        r, t = _pairs(ids, rows, logits.device)
+        logits[r, t] = -math.inf
 
 
 PROCESSORS = (LogitBias, Penalties, MinTokens)  # applied in this order
 
 
-def _flat(ids: list[list[int]], device: torch.device, rows: list[int] | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every entry of the ragged lists, as two index tensors."""
-    rows = range(len(ids)) if rows is None else rows
-    r = [row for row, t in zip(rows, ids, strict=True) for _ in t]
-    t = [tok for toks in ids for tok in toks]
-    return (torch.tensor(r, dtype=torch.int64, device=device),
-            torch.tensor(t, dtype=torch.int64, device=device))
+def _pairs(ids: list[list[int]], rows: list[int], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, token id) index tensors of every entry of ``ids[k]``, on row ``rows[k]``."""
+    r = torch.tensor([row for row, t in zip(rows, ids, strict=True) for _ in t], dtype=torch.int64)
+    t = torch.tensor([tok for toks in ids for tok in toks], dtype=torch.int64)
+    return r.to(device), t.to(device)
 
 
-def _counts(ids: list[list[int]], v: int, device: torch.device) -> torch.Tensor:
-    """[len(ids), v] int64: how often each token occurs in each list (exact integer adds)."""
-    counts = torch.zeros(len(ids), v, dtype=torch.int64, device=device)
-    r, t = _flat(ids, device)
-    counts.index_put_((r, t), torch.ones_like(t), accumulate=True)
-    return counts
-
-
-def _mask(ids: list[list[int]], v: int, device: torch.device, rows: list[int] | None = None,
-          num_rows: int | None = None) -> torch.Tensor:
-    """[num_rows, v] bool: True where row ``rows[k]`` has a token of ``ids[k]``."""
-    mask = torch.zeros(len(ids) if num_rows is None else num_rows, v, dtype=torch.bool,
-                       device=device)
-    r, t = _flat(ids, device, rows)
-    mask[r, t] = True
-    return mask
+def _keys(ids: list[list[int]], rows: list[int], v: int) -> torch.Tensor:
+    """Flat indices ``row * v + token`` (CPU int64) of every token of ``ids[k]`` on ``rows[k]``."""
+    parts = [torch.tensor(t, dtype=torch.int64) + row * v for row, t in zip(rows, ids, strict=True)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)

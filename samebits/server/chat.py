@@ -89,10 +89,11 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, group: Reques
             index=i, delta=ChatDelta(role="assistant", content=""), seed=seed)])
     finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
-        text = texts[d.index].push(d.token_ids)
-        if d.output is not None:
-            text += texts[d.index].finish(d.output.text)
+        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
+            text = texts[d.index].finish(d.output.text)
             finals[d.index] = d.output
+        else:
+            text = texts[d.index].push(d.token_ids)
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
             index=d.index, delta=ChatDelta(content=text),
             logprobs=_logprobs(ctx, req, d.token_ids, d.logprobs, d.top_logprobs),

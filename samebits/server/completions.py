@@ -85,10 +85,11 @@ async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGro
     offsets = [0] * len(texts)
     finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
-        text = texts[d.index].push(d.token_ids)
-        if d.output is not None:
-            text += texts[d.index].finish(d.output.text)
+        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
+            text = texts[d.index].finish(d.output.text)
             finals[d.index] = d.output
+        else:
+            text = texts[d.index].push(d.token_ids)
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(ctx.token_text, d.token_ids, d.logprobs,
