@@ -39,7 +39,7 @@ def main() -> None:
         rates = []
         for _ in range(2):  # cold, then warm
             t = time.perf_counter()
-            out = llm.generate([prompt], params)[0]
+            out = llm.generate([prompt], params)[0].outputs[0]
             rates.append(len(out.token_ids) / (time.perf_counter() - t))
         print(json.dumps({"bench": "cold_start", "prompt_len": n, "cold_tok_s": round(rates[0], 1),
                           "warm_tok_s": round(rates[1], 1),

@@ -18,7 +18,6 @@ import torch
 
 from samebits import LLM, SamplingParams
 from samebits.engine import sampler
-from samebits.ops import get_backend
 
 KINDS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -34,7 +33,7 @@ def _sync(device: torch.device) -> None:
 
 def time_sampler(device: torch.device, vocab: int, batch: int, kind: str, iters: int) -> float:
     """Median ms of one sample() call on realistic (peaked) logits."""
-    ops = get_backend(device.type, True)
+
     gen = torch.Generator(device=device).manual_seed(batch)
     logits = torch.randn(batch, vocab, device=device, generator=gen) * 4
     params = [KINDS[kind]] * batch
@@ -42,7 +41,7 @@ def time_sampler(device: torch.device, vocab: int, batch: int, kind: str, iters:
     for i in range(iters + 3):
         _sync(device)
         t0 = time.perf_counter()
-        sampler.sample(ops, logits, params, list(range(batch)), [i] * batch)
+        sampler.sample(logits, params, list(range(batch)), [i] * batch)
         _sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times[3:])[iters // 2] * 1e3
@@ -66,7 +65,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=p.temperature,
                                 top_p=p.top_p, top_k=p.top_k, seed=3, ignore_eos=True)
         t0 = time.perf_counter()
-        out = llm.generate([prompt], params)[0]
+        out = llm.generate([prompt], params)[0].outputs[0]
         rates[kind] = len(out.token_ids) / (time.perf_counter() - t0)
     print(json.dumps({"bench": "e2e_bs1", "model": args.e2e} | {
         f"{k}_tok_s": round(r, 1) for k, r in rates.items()} | {

@@ -45,13 +45,13 @@ def grpo_step(llm: LLM, tl: TrainableLM, opt: torch.optim.Optimizer, step: int,
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0,
                              seed=args.seed + 10_000 * step + i) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
-    rewards = torch.tensor([reward(o.text, questions[i // args.group_size][1])
+    rewards = torch.tensor([reward(o.outputs[0].text, questions[i // args.group_size][1])
                             for i, o in enumerate(outs)])
     groups = rewards.view(args.prompts, args.group_size)
     adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     trainer = tl.logprobs(seqs, [len(o.prompt_token_ids) for o in outs])
-    sampler = [torch.tensor(o.logprobs) for o in outs]
+    sampler = [torch.tensor(o.outputs[0].logprobs) for o in outs]
     diff = torch.cat([t.detach() - s for t, s in zip(trainer, sampler, strict=True)]).double()
     kl = float((torch.exp(diff) - diff - 1).mean())  # k3 estimate of KL(sampler || trainer), fp64
     # GRPO surrogate: ratio exp(trainer - sampler) (exactly 1 when on-policy) times the advantage

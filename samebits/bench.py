@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, invariant: bool) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"bench": "e2e", "mode": "invariant" if invariant else "standard",
             "device": _device_name(llm.config.torch_device), "requests": len(prompts),
             "cuda_graphs": _num_graphs(llm),

@@ -45,13 +45,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        result = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
-        out = llm.generate(args.prompt, params)[0]
+        result = llm.generate(args.prompt, params)[0]
+    out = result.outputs[0]
     print(out.text)
     if args.verbose:
         print(json.dumps({"token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "seed": out.seed, "system_fingerprint": out.system_fingerprint}),
+                          "seed": out.seed, "system_fingerprint": result.system_fingerprint}),
               file=sys.stderr)
     return 0
 
@@ -66,8 +67,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     llm = _llm(args)
     prompts = [f"Write a short note number {i} about reproducibility." for i in range(args.n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=1234)
-    alone = [_pairs(llm.generate(p, params)[0]) for p in prompts]
-    batched = [_pairs(o) for o in llm.generate(prompts, params)]
+    alone = [_pairs(llm.generate(p, params)[0].outputs[0]) for p in prompts]
+    batched = [_pairs(r.outputs[0]) for r in llm.generate(prompts, params)]
     result = compare("batch vs alone", batched, alone)
     if args.plot:
         plot([result], args.plot, f"samebits verify (local, {llm.fingerprint})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -11,10 +12,10 @@ from tqdm import tqdm
 from samebits.chat_template import render_chat
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import RequestOutput
-from samebits.sampling_params import SamplingParams
+from samebits.engine.sequence import RequestOutput, Sequence
+from samebits.sampling_params import SamplingParams, choice_seed
 
-Prompt = str | list[int]
+PromptInput = str | list[int] | dict[str, Any]  # {"prompt": str} or {"prompt_token_ids": [...]}
 
 
 class LLM:
@@ -56,18 +57,29 @@ class LLM:
         if self.engine is None:
             raise ValueError("this LLM was built with task='embed': use embed(), not generation")
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
+    def get_tokenizer(self):
+        """The model's tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self.tokenizer
+
+    def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt; outputs in prompt order."""
+        """Generate for each prompt; outputs in prompt order, each with ``n`` choices.
+
+        A prompt is a string, a list of token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``. Choice i of a prompt is sampled with seed
+        ``choice_seed(seed, i)`` (one seed is drawn when none is given), so each choice replays
+        alone with its reported seed. With ``best_of``, that many candidates are generated and
+        the n with the highest cumulative logprob are returned (ties: the lower candidate first).
+        """
         self._require_generate()
         prompts = _as_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        ids = [self._encode(p) for p in prompts]
-        seqs = self._submit(ids, params, score_only=False)
-        self._drain(len(seqs), use_tqdm)
-        return [self.engine.output(s, t) for s, t in zip(seqs, texts, strict=True)]
+        encoded = [self._encode(p) for p in prompts]
+        groups = self._submit([ids for _, ids in encoded], params, score_only=False)
+        self._drain(sum(len(seqs) for _, seqs in groups), use_tqdm)
+        return [self._output(request_id, seqs, text)
+                for (request_id, seqs), (text, _) in zip(groups, encoded, strict=True)]
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -87,12 +99,18 @@ class LLM:
 
     def score(self, token_id_lists: Seq[Seq[int]]) -> list[list[float]]:
         """logprob of t_i given t_<i, i = 1..n-1: bitwise the logprobs reported when those tokens
-        were generated (teacher-forced prefill through the same kernels)."""
+        were generated (teacher-forced prefill through the same kernels). Takes token id lists,
+        not text: this is not vLLM's ``LLM.score`` (a text-pair similarity API)."""
         self._require_generate()
+        if isinstance(token_id_lists, str) or any(isinstance(t, str) for t in token_id_lists):
+            raise TypeError("samebits' LLM.score takes token id lists (list[list[int]]) and "
+                            "returns each token's teacher-forced logprob; it is not vLLM's "
+                            "score(text_1, text_2) similarity API. Encode text with "
+                            "llm.get_tokenizer().encode(text) first.")
         ids = [list(t) for t in token_id_lists]
-        seqs = self._submit(ids, [SamplingParams(max_tokens=1)] * len(ids), score_only=True)
-        self._drain(len(seqs), False)
-        return [list(s.prompt_logprobs) for s in seqs]
+        groups = self._submit(ids, [SamplingParams(max_tokens=1)] * len(ids), score_only=True)
+        self._drain(len(groups), False)
+        return [list(seqs[0].prompt_logprobs) for _, seqs in groups]
 
     def update_weights(self, named_tensors: Any) -> str:
         """Replace weights in place between generate calls: (Hugging Face name, tensor) pairs or
@@ -108,24 +126,64 @@ class LLM:
         from samebits.models.weights import WeightMap
         return WeightMap(self.engine.runner.model).named_weights()
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(the prompt text or None, its token ids)."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError("a prompt dict has exactly one key, 'prompt' or "
+                                 f"'prompt_token_ids'; got {sorted(prompt)}")
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError("'prompt' in a prompt dict must be a string")
+                return self._encode(prompt["prompt"])
+            return None, self._token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token id lists")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+            return prompt, self.tokenizer.encode(prompt)
+        return None, self._token_ids(prompt)
 
-    def _submit(self, ids: list[list[int]], params: list[SamplingParams], score_only: bool):
-        seqs = []
+    @staticmethod
+    def _token_ids(ids: Any) -> list[int]:
+        if isinstance(ids, str) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return list(ids)
+
+    def _submit(self, ids: list[list[int]], params: list[SamplingParams], score_only: bool
+                ) -> list[tuple[str, list[Sequence]]]:
+        """(request id, its sequences) per prompt: one engine request per candidate
+        (``params.num_candidates``; one when scoring), candidate i seeded ``choice_seed(seed, i)``.
+        All or nothing: a bad prompt leaves the engine as it was."""
+        groups: list[tuple[str, list[Sequence]]] = []
         try:
             for prompt_ids, p in zip(ids, params, strict=True):
                 request_id = f"offline-{next(self._ids)}"
-                seqs.append(self.engine.add_request(request_id, prompt_ids, p, score_only))
+                base = p.seed if p.seed is not None else self.engine.draw_seed()
+                groups.append((request_id, []))
+                for i in range(1 if score_only else p.num_candidates):
+                    groups[-1][1].append(self.engine.add_request(
+                        f"{request_id}-{i}", prompt_ids, replace(p, seed=choice_seed(base, i)),
+                        score_only, index=i))
         except ValueError:
-            for s in seqs:  # all or nothing: a bad prompt leaves the engine as it was
-                self.engine.abort(s.request_id)
+            for _, seqs in groups:
+                for s in seqs:
+                    self.engine.abort(s.request_id)
             raise
-        return seqs
+        return groups
+
+    def _output(self, request_id: str, seqs: list[Sequence], prompt: str | None
+                ) -> RequestOutput:
+        """A prompt's result: its n choices, or the n best of its best_of candidates (by
+        cumulative logprob; the sort is stable, so ties keep the lower candidate first)."""
+        first, n = seqs[0], seqs[0].params.n
+        chosen = sorted(seqs, key=lambda s: -sum(s.logprobs))[:n] if len(seqs) > n else seqs
+        return RequestOutput(
+            request_id=request_id, prompt=prompt, prompt_token_ids=list(first.prompt_token_ids),
+            prompt_logprobs=None,
+            outputs=[self.engine.completion(s, i) for i, s in enumerate(chosen)],
+            finished=all(s.is_finished for s in chosen),
+            num_cached_tokens=first.num_cached_tokens, system_fingerprint=self.fingerprint)
 
     def _drain(self, total: int, use_tqdm: bool) -> None:
         with tqdm(total=total, disable=not use_tqdm, desc="requests") as bar:
@@ -133,8 +191,8 @@ class LLM:
                 bar.update(1)
 
 
-def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -42,7 +42,7 @@ class LLMPredictor:
         seeds = batch.get("seed")
         params = [replace(self.params, seed=self._seed(p, None if seeds is None else seeds[i]))
                   for i, p in enumerate(prompts)]
-        outs = self.llm.generate(prompts, params)
+        outs = [r.outputs[0] for r in self.llm.generate(prompts, params)]
         return {**batch,
                 "generated_text": np.array([o.text for o in outs], dtype=object),
                 "token_ids": _ragged([np.array(o.token_ids, dtype=np.int64) for o in outs]),

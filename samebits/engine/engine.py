@@ -13,11 +13,12 @@ from collections.abc import Iterator
 import torch
 
 from samebits.config import EngineConfig
+from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
-from samebits.engine.sequence import RequestOutput, Sequence
+from samebits.engine.sequence import CompletionOutput, Sequence
 from samebits.loader import LoadedModel, load
 from samebits.models.weights import update_weights
 from samebits.sampling_params import SamplingParams
@@ -60,17 +61,23 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    score_only: bool = False, cache_salt: str | None = None) -> Sequence:
-        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing.
+                    score_only: bool = False, index: int = 0, cache_salt: str | None = None
+                    ) -> Sequence:
+        """Validate and queue a request (choice ``index`` of its prompt); a bad one raises
+        ``ValueError`` and changes nothing. Without a seed, one is drawn (``draw_seed``).
         ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
         (None is a salt of its own); it never changes the bits, only what may be reused."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
+        self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = params.seed if params.seed is not None else self.draw_seed()
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only,
-                       grammar=grammar, cache_salt=cache_salt)
+                       index=index, stop_ids=self._stop_ids(params), grammar=grammar,
+                       cache_salt=cache_salt)
+        if params.stop_strings and self.tokenizer is not None and not score_only:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -85,6 +92,23 @@ class LLMEngine:
             return self.grammars.state(params.structured_outputs)
         except ValueError as e:
             raise ValueError(f"structured_outputs: {e}") from None
+
+    def draw_seed(self) -> int:
+        """A seed for a request that gave none (from the engine's ``seed``), in [0, 2**63)."""
+        return self._seed_rng.getrandbits(63)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos else frozenset(self._eos)
+        return eos | frozenset(params.stop_token_ids or ())
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        vocab = self.loaded.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
 
     def _check_prompt(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -147,18 +171,18 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token in self._eos and not p.ignore_eos) or token in (p.stop_token_ids or ()):
+        p, n = seq.params, len(seq.output_token_ids)
+        if token in seq.stop_ids and n > p.min_tokens:  # sampling masks them before min_tokens
             return "stop"
         if seq.grammar is not None and seq.grammar.terminated:  # a complete output, then a stop token
             return "stop"
-        if p.stop_strings and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            hits = [text.find(s) for s in p.stop_strings if s and s in text]
-            if hits:
-                seq.text = text[:min(hits)]
+        if seq.detokenizer is not None:
+            new = seq.detokenizer.push(token)
+            cut = seq.detokenizer.find_stop(len(new)) if n >= p.min_tokens else None
+            if cut is not None:
+                seq.text = seq.detokenizer.text[:cut]
                 return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -207,14 +231,19 @@ class LLMEngine:
         return self.fingerprint
 
     # ---- outputs --------------------------------------------------------------------------
-    def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
+    def completion(self, seq: Sequence, index: int | None = None) -> CompletionOutput:
+        """One sequence's result: choice ``seq.index``, or ``index`` when given (best_of
+        renumbers the chosen candidates)."""
         text = seq.text
-        if text is None:
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids,
-                             list(seq.output_token_ids), text, seq.finish_reason,
-                             list(seq.logprobs), seq.seed, self.fingerprint,
-                             list(seq.top_logprobs), seq.num_cached_tokens)
+        if text is None and self.tokenizer is not None:
+            ids = seq.output_token_ids
+            if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids:
+                ids = ids[:-1]  # as vLLM: the token that stopped it is not in the text
+            text = self.tokenizer.decode(ids)
+        return CompletionOutput(seq.index if index is None else index, text or "",
+                                list(seq.output_token_ids), list(seq.logprobs),
+                                list(seq.top_logprobs), float(sum(seq.logprobs)),
+                                seq.finish_reason, seq.seed)
 
     def run_to_completion(self) -> Iterator[Sequence]:
         """Step until idle, yielding each sequence as it finishes."""

@@ -11,6 +11,7 @@ from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
 from samebits.engine.grammar import apply_grammar_masks
+from samebits.engine.logits_processor import apply_logits_processors
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
@@ -140,11 +141,11 @@ class ModelRunner:
     def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
                 result: StepResult) -> None:
         rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-        processed = apply_grammar_masks(logits, seqs)  # per row; logits stay raw for logprobs
-        tokens, logprobs = sampler.sample(
-            self.model.ops, logits, [s.params for s in seqs], [s.seed for s in seqs],
-            [len(s.output_token_ids) for s in seqs], processed)
+        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32, raw
+        logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
+        logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
+        tokens = sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                [len(s.output_token_ids) for s in seqs])
         chosen = logprobs.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
         result.sampled, result.tokens = seqs, tokens
         result.logprobs = chosen.tolist()

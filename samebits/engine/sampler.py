@@ -5,9 +5,10 @@ The noise for token ``v`` of a request's ``i``-th generated token is a hash of (
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
 Filters on the temperature-scaled logits: top-k and top-p (``keep_mask``, one stable sort, masses
 in integer units so cumulative sums are exact) and min-p (``exp(x - max) >= min_p``); each row's
-decisions depend on that row alone. Greedy is ``argmax`` of the logits (after per-request
-processing: grammar masks); ties go to the lowest token id.
-Reported logprobs are ``log_softmax`` of the raw fp32 logits through the invariant backend.
+decisions depend on that row alone. Greedy is ``argmax``; ties go to the lowest token id. Both
+see the logits after the request's logits processors (``samebits.engine.logits_processor``: bias,
+penalties, min_tokens) and grammar masks; the reported logprobs are ``log_softmax`` of the *raw*
+fp32 logits, taken by the runner through the invariant backend before the processors run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import math
 
 import torch
 
-from samebits.ops.backend import OpBackend
 from samebits.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -99,14 +99,9 @@ def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> t
     return (x.masked_fill(~keep, -math.inf) + gumbel_noise(keys, x.shape[-1])).argmax(dim=-1)
 
 
-def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           indices: list[int], processed: torch.Tensor | None = None
-           ) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids, log_softmax of the raw logits [B, V]). Tokens are drawn
-    from ``processed`` (the logits after per-request processors and grammar masks) when given;
-    the reported logprobs are always the raw distribution's."""
-    logprobs = ops.log_softmax(logits)
-    logits = logits if processed is None else processed
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           indices: list[int]) -> list[int]:
+    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row."""
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -115,4 +110,4 @@ def sample(ops: OpBackend, logits: torch.Tensor, params: list[SamplingParams], s
         keys = torch.tensor([stream_key(seeds[i], indices[i]) for i in rows],
                             device=logits.device, dtype=torch.int64)  # [B, 2]
         tokens[idx] = draw(logits[idx] / temps[:, None], [params[i] for i in rows], keys)
-    return tokens.tolist(), logprobs
+    return tokens.tolist()

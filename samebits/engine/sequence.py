@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ class Sequence:
     seed: int
     score_only: bool = False  # teacher-forced: logprob of every prompt token, nothing generated
     cache_salt: str | None = None  # enters the first block's hash: no sharing across salts
+    index: int = 0  # which choice of its prompt this sequence is (0 .. best_of - 1)
+    stop_ids: frozenset[int] = frozenset()  # token ids that end it: EOS (unless ignored), stop ids
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -40,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cut the text
     grammar: GrammarState | None = None  # structured output: this request's matcher
+    detokenizer: IncrementalDetokenizer | None = None  # the output's text, for stop strings
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -55,21 +59,33 @@ class Sequence:
 
 
 @dataclass
-class RequestOutput:
-    """One request's result, as ``LLM.generate`` returns it (design.md section 4)."""
+class CompletionOutput:
+    """One generated sequence (one choice) of a request, vLLM's shape."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    index: int  # its position in RequestOutput.outputs
     text: str
-    finish_reason: str | None
+    token_ids: list[int]
     logprobs: list[float]  # raw-distribution logprob of each generated token, exact fp32 values
-    seed: int
-    system_fingerprint: str
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    top_logprobs: list[dict[int, float]]  # per token, the SamplingParams.logprobs most likely
+    cumulative_logprob: float  # the sum of ``logprobs`` (float64, in order)
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    seed: int  # the seed it was sampled with: SamplingParams(seed=seed) replays it alone
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, as ``LLM.generate`` returns it (design.md section 4, vLLM's shape):
+    ``outputs`` holds its n choices."""
+
+    request_id: str
+    prompt: str | None  # the prompt text; None when it was given as token ids
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None  # None unless asked for
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens its first sequence took from the prefix cache
+    system_fingerprint: str

@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import RequestOutput, Sequence
-from samebits.sampling_params import SamplingParams
+from samebits.engine.sequence import CompletionOutput, Sequence
+from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 
@@ -33,7 +33,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    output: RequestOutput | None = None
+    output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
 
 
@@ -42,13 +42,14 @@ class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
     params: list[SamplingParams]
-    seed_offsets: list[int]  # without a seed, request i gets the drawn seed + seed_offsets[i]
+    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     seeds: list[int] = field(default_factory=list)  # filled in at admission
+    cached_tokens: list[int] = field(default_factory=list)  # per request, set when it finishes
 
 
 @dataclass
@@ -79,13 +80,7 @@ class _UpdateWeights:
 
 
 _STOP = object()
-SEED_MODULUS = 2**63  # seeds live in [0, 2**63 - 1]; per-choice seeds S + i wrap around
 RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
-
-
-def choice_seed(seed: int, offset: int) -> int:
-    """The seed of choice ``offset`` of a request with seed ``seed``: (seed + offset) mod 2**63."""
-    return (seed + offset) % SEED_MODULUS
 
 
 class AsyncEngine:
@@ -232,7 +227,7 @@ class AsyncEngine:
                                         group.seed_offsets, strict=True):
                 if p.seed is None and base is not None:
                     p = replace(p, seed=choice_seed(base, off))
-                seq = self.engine.add_request(rid, ids, p, cache_salt=group.cache_salt)
+                seq = self.engine.add_request(rid, ids, p, index=off, cache_salt=group.cache_salt)
                 base = choice_seed(seq.seed, -off) if base is None else base
                 seqs.append(seq)
         except Exception as e:  # all or nothing, as LLM.generate
@@ -242,6 +237,7 @@ class AsyncEngine:
             cmd.done.set_exception(e)
             return
         group.seeds = [s.seed for s in seqs]
+        group.cached_tokens = [0] * len(seqs)
         for i, seq in enumerate(seqs):
             self._tracked[seq.request_id] = _Tracked(group, i, queued=True)
             self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
@@ -317,7 +313,8 @@ class AsyncEngine:
             t.seen, t.last_token = total, now
         output = None
         if seq.is_finished:
-            output = self.engine.output(seq)
+            output = self.engine.completion(seq)
+            t.group.cached_tokens[t.index] = seq.num_cached_tokens
             self.engine.requests.pop(seq.request_id, None)
             self._untrack(seq.request_id)
             self.canary.offer(seq)

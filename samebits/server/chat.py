@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from samebits.chat_template import render_chat
-from samebits.engine.sequence import RequestOutput
+from samebits.engine.sequence import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import chat_logprobs
@@ -26,6 +26,8 @@ from samebits.server.protocol import (
 )
 from samebits.server.serving import (
     ServingContext,
+    best,
+    cached_tokens,
     collect,
     deltas,
     hashed_json,
@@ -55,17 +57,19 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     k = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, k if req.logprobs else None, spec)
     response_id = new_id("chatcmpl")
-    group = make_group(response_id, [ids], [params], req.n, req.stream,
-                       req.cache_salt)
+    k = req.num_candidates()
+    group = make_group(response_id, [ids], [params], k, req.stream, req.cache_salt)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                   seed=seed)
     if req.stream:
         return sse(ctx, group, lambda: _events(ctx, req, plan, group, header))
     outputs = await collect(ctx, group, request)
-    choices = [_choice(ctx, req, plan, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return hashed_json(ChatCompletionResponse(**header, choices=choices, usage=usage(outputs, req.n)),
-                       outputs)
+    chosen = best(outputs, req.n, k)
+    choices = [_choice(ctx, req, plan, o) for o in chosen]
+    body = ChatCompletionResponse(**header, choices=choices,
+                                  usage=usage([ids], outputs, cached_tokens(group, k)))
+    return hashed_json(body, chosen)
 
 
 async def _constraint(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan
@@ -115,12 +119,13 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     return chat_logprobs(ctx.token_text, token_ids, logprobs, top, req.top_logprobs or 0)
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, index: int,
-            out: RequestOutput, seed: int) -> ChatChoice:
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
+            out: CompletionOutput) -> ChatChoice:
     content, calls = ToolStream(plan).parse(out.text)
-    return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+    return ChatChoice(index=out.index,
+                      message=ChatMessageOut(content=content, tool_calls=calls or None),
                       logprobs=_logprobs(ctx, req, out.token_ids, out.logprobs, out.top_logprobs),
-                      finish_reason=finish_reason(out.finish_reason, bool(calls)), seed=seed)
+                      finish_reason=finish_reason(out.finish_reason, bool(calls)), seed=out.seed)
 
 
 async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
@@ -130,12 +135,13 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPla
     for i, seed in enumerate(group.seeds):
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
             index=i, delta=ChatDelta(role="assistant", content=""), seed=seed)])
-    finals: list[RequestOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
-        text = texts[d.index].push(d.token_ids)
-        if d.output is not None:
-            text += texts[d.index].finish(d.output.text)
+        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
+            text = texts[d.index].finish(d.output.text)
             finals[d.index] = d.output
+        else:
+            text = texts[d.index].push(d.token_ids)
         content, calls = tools[d.index].push(text)
         finish = None
         if d.output is not None:
@@ -148,7 +154,8 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPla
             finish_reason=finish, seed=group.seeds[d.index])],
             output_hash=last_hash(d.output, finals))
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield ChatCompletionChunk(**header, choices=[], usage=usage(finals, req.n))
+        yield ChatCompletionChunk(**header, choices=[], usage=usage(
+            group.prompts[:1], finals, cached_tokens(group, len(finals))))
 
 
 def _join(a: str | None, b: str | None) -> str | None:

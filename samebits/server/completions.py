@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.engine.sequence import RequestOutput
+from samebits.engine.sequence import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import completion_logprobs, text_length
@@ -19,6 +19,8 @@ from samebits.server.protocol import (
 )
 from samebits.server.serving import (
     ServingContext,
+    best,
+    cached_tokens,
     collect,
     deltas,
     hashed_json,
@@ -38,9 +40,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                             ) -> Response:
     ctx.check_model(req.model)
     prompts = await _prompts(ctx, req.prompt)
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices "
-                       "per request", param="n")
+    k = req.num_candidates()
+    if len(prompts) * k > MAX_CHOICES:
+        name = "n" if req.best_of is None else "best_of"
+        raise APIError(400, f"{len(prompts)} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
+                       "per request", param=name)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         ctx.check_length(ids, max_tokens, "prompt")
@@ -48,7 +52,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     await check_constraint(ctx, spec, field)
     params = sampling_params(req, max_tokens, req.logprobs, spec)
     response_id = new_id("cmpl")
-    group = make_group(response_id, prompts, [params] * len(prompts), req.n, req.stream,
+    group = make_group(response_id, prompts, [params] * len(prompts), k, req.stream,
                        req.cache_salt)
     seed = await submit(ctx, group)
     header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
@@ -56,9 +60,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     if req.stream:
         return sse(ctx, group, lambda: _events(ctx, req, group, header))
     outputs = await collect(ctx, group, request)
-    choices = [_choice(ctx, req, i, o, group.seeds[i]) for i, o in enumerate(outputs)]
-    return hashed_json(CompletionResponse(**header, choices=choices, usage=usage(outputs, req.n)),
-                       outputs)
+    chosen = best(outputs, req.n, k)
+    choices = [_choice(ctx, req, o) for o in chosen]
+    body = CompletionResponse(**header, choices=choices,
+                              usage=usage(prompts, outputs, cached_tokens(group, k)))
+    return hashed_json(body, chosen)
 
 
 async def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
@@ -73,26 +79,27 @@ async def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, index: int, out: RequestOutput,
-            seed: int) -> CompletionChoice:
+def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput
+            ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None:
         logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.logprobs,
                                        out.top_logprobs)
-    return CompletionChoice(index=index, text=out.text, logprobs=logprobs,
-                            finish_reason=out.finish_reason, seed=seed)
+    return CompletionChoice(index=out.index, text=out.text, logprobs=logprobs,
+                            finish_reason=out.finish_reason, seed=out.seed)
 
 
 async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
                   header: dict) -> AsyncIterator[CompletionResponse]:
     texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
     offsets = [0] * len(texts)
-    finals: list[RequestOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
     async for d in deltas(group):
-        text = texts[d.index].push(d.token_ids)
-        if d.output is not None:
-            text += texts[d.index].finish(d.output.text)
+        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
+            text = texts[d.index].finish(d.output.text)
             finals[d.index] = d.output
+        else:
+            text = texts[d.index].push(d.token_ids)
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(ctx.token_text, d.token_ids, d.logprobs,
@@ -103,5 +110,5 @@ async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGro
             index=d.index, text=text, logprobs=logprobs, finish_reason=finish,
             seed=group.seeds[d.index])], output_hash=last_hash(d.output, finals))
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield CompletionResponse(**header, choices=[], usage=usage(finals, req.n))
-
+        yield CompletionResponse(**header, choices=[], usage=usage(
+            group.prompts[::req.n], finals, cached_tokens(group, req.n)))

@@ -42,13 +42,18 @@ def from_validation_error(e: ValidationError) -> APIError:
     loc = [str(x) for x in err["loc"]]
     where = ".".join(loc)
     message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = ("unknown field: samebits does not support it, and does not ignore a field "
+                   "that might change the answer")
     return APIError(400, f"{where}: {message}" if where else message,
                     param=loc[0] if loc else None, code=err["type"])
 
 
 _FIELD = re.compile(r"^([a-z_]+)\b")
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
-           "n", "prompt", "messages"}
+           "n", "prompt", "messages", "best_of", "logit_bias", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
+           "ignore_eos"}
 
 
 def from_value_error(e: ValueError) -> APIError:

@@ -1,9 +1,12 @@
 """The OpenAI wire format: request and response bodies as pydantic models.
 
-Requests are parsed strictly (``"16"`` is not an integer), unknown fields are ignored, and every
-range the engine does not check itself is checked here, so a bad request fails before it reaches
-the engine. samebits adds ``seed`` to each choice and to the response: the seed a choice was
-sampled with, drawn by the engine when the request gave none, so any answer can be replayed.
+Requests are parsed strictly (``"16"`` is not an integer), an unknown field is a 400 naming it
+(never silently ignored: it might have changed the answer), and every range the engine does not
+check itself is checked here, so a bad request fails before it reaches the engine. Fields with no
+effect on the output (``user``, ``metadata``, ``store``, ``stream_options``, ``service_tier``,
+``parallel_tool_calls``) are accepted. samebits adds ``seed`` to each choice and to the response:
+the seed a choice was sampled with, drawn by the engine when the request gave none, so any answer
+can be replayed.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs per embedding request, as OpenAI
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no effect: samebits adds no obfuscation padding
 
 
 # ---- structured output and tools (the logic: server/structured.py, server/tools.py) -----------
@@ -114,6 +118,7 @@ class SamplingFields(_Request):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # >= n; > n only without streaming
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (as vLLM): 0 or -1 is off
@@ -122,11 +127,19 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = Field(0, ge=0)  # extension
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> [-100, 100]
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (as vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # accepted, no effect on the output:
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # honoured:
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM; guided_*: older aliases
     guided_json: str | dict[str, Any] | None = None
@@ -135,12 +148,28 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("penalties are not supported (only 0)")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[int, float] | None:
+        if value is None:
+            return None
+        if not all(k.isascii() and k.isdigit() for k in value):
+            raise ValueError("keys must be token ids (non-negative integers as strings)")
+        if not all(-100 <= v <= 100 for v in value.values()):
+            raise ValueError("values must be in [-100, 100]")
+        return {int(k): v for k, v in value.items()}
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be >= n ({n})")
         return value
+
+    def num_candidates(self) -> int:
+        """Engine requests per prompt: best_of when given, else n."""
+        return self.n if self.best_of is None else self.best_of
 
 
 class CompletionRequest(SamplingFields):

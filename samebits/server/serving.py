@@ -1,6 +1,7 @@
 """What both endpoints share: checking a request against the model, turning it into engine
-requests (one per choice, seeds ``S + i``), and getting the results back -- whole, or as a
-server-sent-event stream -- while aborting whatever a departed client leaves behind."""
+requests (one per choice, or per best_of candidate; seeds ``S + i``), and getting the results back
+-- whole, or as a server-sent-event stream -- while aborting whatever a departed client leaves
+behind."""
 
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from samebits.engine.grammar import GrammarCompiler
-from samebits.engine.sequence import RequestOutput
+from samebits.engine.sequence import CompletionOutput
 from samebits.output_hash import HEADER, output_hash
-from samebits.sampling_params import SamplingParams
+from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.async_engine import (
     RETRY_AFTER_S,
     AsyncEngine,
     Delta,
     QueueFull,
     RequestGroup,
-    choice_seed,
 )
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
@@ -77,6 +77,9 @@ class ServingContext:
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The request's sampling parameters (choice 0's seed); engine-side checks become 400s."""
+    if req.stream and req.num_candidates() > req.n:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the "
+                       "end): set stream=false or best_of=n", param="best_of")
     defaults = SamplingParams()
     try:
         return SamplingParams(
@@ -84,7 +87,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             temperature=_or(req.temperature, defaults.temperature),
             top_p=_or(req.top_p, defaults.top_p), top_k=_or(req.top_k, defaults.top_k),
             min_p=_or(req.min_p, defaults.min_p), stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, structured_outputs=structured)
+            ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of, logit_bias=req.logit_bias,
+            presence_penalty=_or(req.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_or(req.frequency_penalty, defaults.frequency_penalty),
+            repetition_penalty=_or(req.repetition_penalty, defaults.repetition_penalty),
+            min_tokens=req.min_tokens, structured_outputs=structured)
     except ValueError as e:
         raise from_value_error(e) from None
 
@@ -95,8 +102,8 @@ def _or(value, default):
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
                stream: bool, cache_salt: str | None = None) -> RequestGroup:
-    """n engine requests per prompt; with a seed S, choice i of each prompt uses seed
-    (S + i) mod 2**63, so every reported seed is a valid request seed."""
+    """n engine requests per prompt (its candidates); with a seed S, candidate i of each prompt
+    uses seed ``choice_seed(S, i)`` = S + i (wrapped into [0, 2**63))."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         for i in range(n):
@@ -105,6 +112,18 @@ def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParam
             all_params.append(sp if sp.seed is None else replace(sp, seed=choice_seed(sp.seed, i)))
             offsets.append(i)
     return RequestGroup(ids, all_prompts, all_params, offsets, stream, cache_salt)
+
+
+def best(outputs: list[CompletionOutput], n: int, candidates: int) -> list[CompletionOutput]:
+    """Per prompt (``candidates`` consecutive outputs), the n with the highest cumulative logprob
+    (stable: ties keep the lower candidate first), as choices numbered in order."""
+    chosen = []
+    for start in range(0, len(outputs), candidates):
+        group = outputs[start:start + candidates]
+        if candidates > n:
+            group = sorted(group, key=lambda o: -o.cumulative_logprob)[:n]
+        chosen.extend(group)
+    return [replace(o, index=i) for i, o in enumerate(chosen)]
 
 
 def new_id(kind: str) -> str:
@@ -135,9 +154,9 @@ async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
 
 
 async def collect(ctx: ServingContext, group: RequestGroup, request: Request
-                  ) -> list[RequestOutput]:
+                  ) -> list[CompletionOutput]:
     """Wait for all outputs; a client that disconnects first aborts the group."""
-    outputs: list[RequestOutput | None] = [None] * len(group.request_ids)
+    outputs: list[CompletionOutput | None] = [None] * len(group.request_ids)
     watcher = asyncio.create_task(_wait_disconnect(request))
     waiter = asyncio.ensure_future(_gather(group, outputs))
     try:
@@ -152,7 +171,7 @@ async def collect(ctx: ServingContext, group: RequestGroup, request: Request
             ctx.engine.abort(group.request_ids)
 
 
-async def _gather(group: RequestGroup, outputs: list) -> list[RequestOutput]:
+async def _gather(group: RequestGroup, outputs: list) -> list[CompletionOutput]:
     async for delta in deltas(group):
         if delta.output is not None:
             outputs[delta.index] = delta.output
@@ -164,29 +183,35 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def usage(outputs: list[RequestOutput], n: int) -> Usage:
-    """Token counts; ``cached_tokens``: prompt tokens read from the prefix cache (each prompt
-    counted once, as its first choice found it)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])  # each prompt counted once
+def usage(prompts: list[list[int]], outputs: list[CompletionOutput], cached: int) -> Usage:
+    """Each prompt counted once; every generated token counted (best_of's unchosen too);
+    ``cached``: prompt tokens read from the prefix cache."""
+    prompt = sum(len(p) for p in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in outputs[::n])
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def hash_outputs(outputs: list[RequestOutput]) -> str:
+def cached_tokens(group: RequestGroup, candidates: int) -> int:
+    """Prompt tokens the group's prompts read from the prefix cache (each prompt counted once,
+    as its first candidate found it)."""
+    return sum(group.cached_tokens[::candidates])
+
+
+def hash_outputs(outputs: list[CompletionOutput]) -> str:
     """samebits.output_hash of a response's choices, in choice order."""
     return output_hash((o.token_ids, o.logprobs) for o in outputs)
 
 
-def hashed_json(body: BaseModel, outputs: list[RequestOutput]) -> Response:
+def hashed_json(body: BaseModel, outputs: list[CompletionOutput]) -> Response:
     """A JSON response carrying the choices' output hash in ``X-Samebits-Output-Hash``."""
     return Response(body.model_dump_json(), media_type="application/json",
                     headers={HEADER: hash_outputs(outputs)})
 
 
-def last_hash(output: RequestOutput | None, finals: list[RequestOutput | None]) -> str | None:
+def last_hash(output: CompletionOutput | None, finals: list[CompletionOutput | None]
+              ) -> str | None:
     """A stream's output hash, set on the chunk that finishes its last choice (else None)."""
     if output is None or any(f is None for f in finals):
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.tokenizer import Tokenizer
 
 
@@ -50,21 +51,20 @@ class TextStream:
     ``push`` returns the text that is now safe to send: not a partial UTF-8 character, and not
     the last ``len(longest stop string) - 1`` characters, which a stop string could still claim
     (the engine cuts the text at a stop string). ``finish`` returns the rest of the final text.
+    Each token decodes only a short window (``IncrementalDetokenizer``), not the whole output.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
+        self.text = IncrementalDetokenizer(tokenizer, []) if tokenizer is not None else None
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
         self.sent = ""
 
     def push(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        if self.tokenizer is None:
+        if self.text is None:
             return ""
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
+        for t in token_ids:
+            self.text.push(t)
+        text = self.text.text
         safe = text[:len(text) - self.hold] if self.hold else text
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""

@@ -32,7 +32,7 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
         assert (got - want).abs().max().item() < LOGIT_TOL
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == _hf_greedy(hf_model, ids, 32)
+        assert out.outputs[0].token_ids == _hf_greedy(hf_model, ids, 32)
 
 
 def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:

@@ -42,7 +42,8 @@ def _ray_rows(concurrency: int, batch_size: int, seeded_rows: bool, **llm_option
 
 def _local(seeds: list[int], **llm_options):
     llm = LLM(max_num_seqs=16, **llm_options)
-    return llm.generate(PROMPTS, [SamplingParams(**SAMPLING, seed=s) for s in seeds])
+    outs = llm.generate(PROMPTS, [SamplingParams(**SAMPLING, seed=s) for s in seeds])
+    return [o.outputs[0] for o in outs]
 
 
 def _assert_rows_equal(rows: list[dict], outs) -> None:

@@ -29,6 +29,7 @@ def _run(path: str, tp: int | None) -> tuple[list, list, str]:
     llm = LLM(path, load_format="dummy", tensor_parallel_size=tp, num_kv_blocks=64)
     try:
         outs = llm.generate(PROMPTS, PARAMS)
+        outs = [o.outputs[0] for o in outs]
         scored = llm.score([PROMPTS[1] + outs[1].token_ids])
         return [(o.token_ids, o.logprobs) for o in outs], scored, llm.fingerprint
     finally:
@@ -80,6 +81,7 @@ def test_default_model_tp_3_equals_tp_1():
     got = {}
     for n in (1, 3):
         llm = LLM(tensor_parallel_size=n, num_kv_blocks=64)
-        got[n] = [(o.token_ids, o.logprobs) for o in llm.generate(texts, params)]
+        got[n] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                  for o in llm.generate(texts, params)]
         shutdown(llm)
     assert got[3] == got[1]

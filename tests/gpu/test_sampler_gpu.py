@@ -9,7 +9,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits.engine import sampler  # noqa: E402
-from samebits.ops import get_backend  # noqa: E402
 from samebits.sampling_params import SamplingParams  # noqa: E402
 
 V = 151936
@@ -36,9 +35,9 @@ def test_gpu_fused_gumbel_argmax_equals_the_torch_expression():
 
 
 def test_gpu_sampled_row_is_the_same_alone_or_in_a_batch_of_64():
-    ops = get_backend("cuda", True)
+
     x = _logits(64)
     params = [PARAMS[i % len(PARAMS)] for i in range(64)]
-    batch, _ = sampler.sample(ops, x, params, list(range(64)), [1] * 64)
-    alone = [sampler.sample(ops, x[i:i + 1], [params[i]], [i], [1])[0][0] for i in range(64)]
+    batch = sampler.sample(x, params, list(range(64)), [1] * 64)
+    alone = [sampler.sample(x[i:i + 1], [params[i]], [i], [1])[0] for i in range(64)]
     assert batch == alone

@@ -106,15 +106,17 @@ def test_every_response_carries_the_fingerprint(server):
 def test_http_server_equals_offline_api(server):
     client = server.client()
     web = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8,
-                                    seed=77, logprobs=0).choices[0]
+                                    seed=77, logprobs=0, n=2).choices
     web_chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6,
                                               temperature=0.8, seed=78, logprobs=True
                                               ).choices[0]
     llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    params = SamplingParams(max_tokens=6, temperature=0.8, seed=77)
-    offline = llm.generate(PROMPT, params)[0]
-    offline_chat = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.8, seed=78))[0]
-    assert (web.text, web.logprobs.token_logprobs) == (offline.text, offline.logprobs)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=77, n=2)
+    offline = llm.generate(PROMPT, params)[0].outputs
+    offline_chat = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.8, seed=78)
+                            )[0].outputs[0]
+    assert [(c.text, c.logprobs.token_logprobs, c.model_extra["seed"]) for c in web] == [
+        (o.text, o.logprobs, o.seed) for o in offline]
     assert web_chat.message.content == offline_chat.text
     assert [t.logprob for t in web_chat.logprobs.content] == offline_chat.logprobs
 

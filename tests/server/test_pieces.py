@@ -75,7 +75,13 @@ def _group(prompts, params, n):
 @pytest.mark.parametrize("body,param", [
     ('{"prompt": "a", "max_tokens": "3"}', "max_tokens"),
     ('{"prompt": "a", "n": 65}', "n"),
-    ('{"prompt": "a", "presence_penalty": 0.5}', "presence_penalty"),
+    ('{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),
+    ('{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
+    ('{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias"),
+    ('{"prompt": "a", "logit_bias": {"5": 101}}', "logit_bias"),
+    ('{"prompt": "a", "n": 3, "best_of": 2}', "best_of"),
+    ('{"prompt": "a", "min_tokens": -1}', "min_tokens"),
+    ('{"prompt": "a", "suffix": "b"}', "suffix"),
     ('{"prompt": "a", "seed": 9223372036854775808}', "seed"),
     ('{"prompt": "a"', None),
 ])

@@ -90,13 +90,13 @@ def test_empty_and_too_long_prompts_are_rejected_and_engine_keeps_serving(llm):
         llm.generate(["fine prompt", too_long], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished() and llm.engine.kv.pool.num_used == 0
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0]
-    assert len(out.token_ids) == 4
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def test_dummy_model_from_config_json_runs_on_token_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     tiny = LLM(str(tmp_path / "config.json"), load_format="dummy")
     out = tiny.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    assert len(out[0].token_ids) == 5
+    assert len(out[0].outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="token ids"):
         tiny.generate([[3, 999]], SamplingParams(max_tokens=2))

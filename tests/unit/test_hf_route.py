@@ -5,6 +5,8 @@ backward runs through it. Negative control: the same model outside the block doe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -14,6 +16,12 @@ import samebits  # noqa: E402
 from samebits import LLM, SamplingParams  # noqa: E402
 
 
+class Sampled(NamedTuple):
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 @pytest.fixture(scope="module")
 def sampled():
     llm = LLM()
@@ -21,7 +29,8 @@ def sampled():
                         SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         llm.engine.loaded.model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
-    return hf, outs
+    return hf, [Sampled(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in outs]
 
 
 def _picked(logits: torch.Tensor, out) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from samebits import SamplingParams
+from samebits.sampling_params import choice_seed
 
 INVALID = [
     ("max_tokens", 0),
@@ -33,6 +34,26 @@ INVALID = [
     ("logprobs", 1000),
     ("logprobs", -1),
     ("n", 0),
+    ("seed", 2**63),
+    ("best_of", 0),
+    ("best_of", 1.5),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: float("nan")}),
+    ("logit_bias", [5, 1.0]),
+    ("presence_penalty", 2.01),
+    ("presence_penalty", -2.5),
+    ("frequency_penalty", float("nan")),
+    ("frequency_penalty", 3),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # > max_tokens (16)
+    ("min_tokens", 1.0),
+    ("stop_token_ids", [-1]),
+    ("ignore_eos", 1),
 ]
 
 
@@ -58,6 +79,13 @@ VALID = [
     {"seed": 2**63 - 1},
     {"logprobs": 0},
     {"logprobs": 20},
+    {"seed": 2**63 - 1, "n": 3},
+    {"n": 2, "best_of": 2},
+    {"n": 2, "best_of": 5},
+    {"logit_bias": {0: -100.0, 7: 100, 9: 0.5}},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"repetition_penalty": 1e-3},
+    {"min_tokens": 16},
 ]
 
 
@@ -101,3 +129,21 @@ def test_malformed_stop_fields_raise_value_error_naming_the_field(field: str,
 def test_bool_is_not_accepted_as_an_integer_field(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: True})
+
+
+def test_best_of_below_n_names_best_of() -> None:
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+
+
+def test_choice_seeds_are_seed_plus_i_wrapped_into_63_bits() -> None:
+    assert [choice_seed(10, i) for i in range(3)] == [10, 11, 12]
+    assert [choice_seed(2**63 - 2, i) for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    assert choice_seed(choice_seed(2**63 - 1, 1), -1) == 2**63 - 1
+
+
+def test_has_penalties_only_when_a_penalty_is_not_neutral() -> None:
+    assert not SamplingParams(presence_penalty=0, frequency_penalty=0.0,
+                              repetition_penalty=1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+    assert SamplingParams(repetition_penalty=1.01).has_penalties

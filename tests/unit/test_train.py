@@ -35,8 +35,8 @@ def _rollout(llm: LLM):
     params = [SamplingParams(max_tokens=4 + i % 5, temperature=1.0, top_p=0.9, seed=100 + i,
                              ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
-    return [o.prompt_token_ids + o.token_ids for o in outs], [len(p) for p in PROMPTS], \
-        [torch.tensor(o.logprobs) for o in outs]
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs], \
+        [len(p) for p in PROMPTS], [torch.tensor(o.outputs[0].logprobs) for o in outs]
 
 
 def _mismatches(tl: TrainableLM, seqs, starts, sampled) -> int:

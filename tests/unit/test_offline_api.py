@@ -1,0 +1,97 @@
+"""The offline API in vLLM's shape: RequestOutput.outputs (n CompletionOutputs, each with its own
+seed and replayable alone), best_of, prompts as dicts, get_tokenizer, score's token-id contract,
+and min_tokens holding back EOS and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from samebits import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+PROMPT = "The cat sat on the mat. The cat was happy because the cat"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_num_seqs=8)
+
+
+def _bits(o: CompletionOutput) -> tuple:
+    return o.token_ids, o.logprobs, o.text, o.finish_reason
+
+
+def test_n2_gives_two_outputs_each_replayable_alone_bitwise(llm):
+    top = 2**63 - 1  # choice 1's seed wraps to 0
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=top, n=2))
+    assert len(out) == 1 and isinstance(out[0], RequestOutput)
+    r = out[0]
+    assert r.prompt == PROMPT and r.prompt_token_ids == llm.get_tokenizer().encode(PROMPT)
+    assert r.finished and r.prompt_logprobs is None and r.system_fingerprint == llm.fingerprint
+    assert [o.index for o in r.outputs] == [0, 1]
+    assert [o.seed for o in r.outputs] == [top, 0]
+    assert r.outputs[0].token_ids != r.outputs[1].token_ids
+    for o in r.outputs:
+        assert len(o.token_ids) == len(o.logprobs) == 6 and o.finish_reason == "length"
+        assert o.cumulative_logprob == sum(o.logprobs)
+    replays = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=6, temperature=1.0,
+                                                         seed=o.seed) for o in r.outputs])
+    assert [len(x.outputs) for x in replays] == [1, 1]
+    assert [_bits(x.outputs[0]) for x in replays] == [_bits(o) for o in r.outputs]
+
+
+def test_unseeded_choices_report_one_drawn_seed_plus_i(llm):
+    outs = llm.generate([PROMPT, [1, 2, 3]], SamplingParams(max_tokens=2, n=3))
+    for r in outs:
+        s = r.outputs[0].seed
+        assert [o.seed for o in r.outputs] == [s, s + 1, s + 2] and 0 <= s < 2**63
+    assert outs[1].prompt is None
+
+
+def test_best_of_returns_the_n_most_likely_candidates(llm):
+    params = dict(max_tokens=5, temperature=1.0, seed=40)
+    every, best = (r.outputs for r in llm.generate(
+        [PROMPT] * 2, [SamplingParams(**params, n=4), SamplingParams(**params, n=2, best_of=4)]))
+    ranked = sorted(every, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.index for o in best] == [0, 1]
+    assert [(o.seed, *_bits(o)) for o in best] == [(o.seed, *_bits(o)) for o in ranked]
+    assert best[0].cumulative_logprob >= best[1].cumulative_logprob
+
+
+def test_prompts_as_strings_token_ids_and_dicts_are_the_same_request(llm):
+    ids = llm.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    outs = llm.generate([PROMPT, ids, {"prompt": PROMPT}, {"prompt_token_ids": ids}], params)
+    assert len({tuple(r.outputs[0].token_ids) for r in outs}) == 1
+    assert [r.prompt for r in outs] == [PROMPT, None, PROMPT, None]
+    assert len(llm.generate({"prompt_token_ids": ids}, params)) == 1
+    for bad in ({"prompt": PROMPT, "prompt_token_ids": ids}, {"text": PROMPT}, {"prompt": ids}):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, params)
+
+
+def test_score_refuses_text_with_a_type_error_naming_the_difference_from_vllm(llm):
+    for bad in ("some text", ["a", "b"]):
+        with pytest.raises(TypeError, match="token id lists.*vLLM"):
+            llm.score(bad)
+
+
+def test_min_tokens_holds_back_eos(llm):
+    eos = llm.get_tokenizer().eos_token_ids
+    forced = dict(max_tokens=8, temperature=0.0, logit_bias={t: 100.0 for t in eos})
+    now, held = (r.outputs[0] for r in llm.generate(
+        [PROMPT] * 2, [SamplingParams(**forced), SamplingParams(**forced, min_tokens=3)]))
+    assert len(now.token_ids) == 1 and now.token_ids[0] in eos and now.finish_reason == "stop"
+    assert len(held.token_ids) == 4 and held.finish_reason == "stop"
+    assert held.token_ids[3] in eos and not set(held.token_ids[:3]) & set(eos)
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    greedy = dict(max_tokens=10, temperature=0.0, stop=["happy"])
+    full, first, later = (r.outputs[0] for r in llm.generate([PROMPT] * 3, [
+        SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(**greedy),
+        SamplingParams(**greedy, min_tokens=4)]))
+    assert full.text.count("happy") >= 2, full.text  # " was happy. The cat was happy ..."
+    assert first.finish_reason == later.finish_reason == "stop"
+    assert first.text == full.text.split("happy")[0]
+    second = full.text.index("happy", len(first.text) + 1)
+    assert later.text == full.text[:second] and len(later.token_ids) >= 4
