@@ -13,9 +13,9 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine.kv_cache import KVCacheManager
-from samebits.engine.runner import ModelRunner, StepResult
+from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
-from samebits.engine.sequence import RequestOutput, Sequence
+from samebits.engine.sequence import Logprob, PromptLogprobs, RequestOutput, Sequence
 from samebits.loader import LoadedModel, load
 from samebits.sampling_params import SamplingParams
 
@@ -82,11 +82,10 @@ class LLMEngine:
         return self.postprocess(batch, result)
 
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        spans = iter(result.score_logprobs)
+        spans = iter(result.scored)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.score_only:  # position-indexed: a recompute after preemption overwrites
-                del seq.prompt_logprobs[seq.num_computed_tokens:]
-                seq.prompt_logprobs.extend(next(spans))
+            if seq.wants_prompt_logprobs:
+                _store_prompt_logprobs(seq, next(spans))
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             if seq.score_only and seq.num_computed_tokens == seq.num_tokens:
@@ -145,7 +144,26 @@ class LLMEngine:
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids,
                              list(seq.output_token_ids), text, seq.finish_reason,
                              list(seq.logprobs), seq.seed, self.fingerprint,
-                             list(seq.top_logprobs), seq.num_cached_tokens)
+                             list(seq.top_logprobs), seq.num_cached_tokens,
+                             self._prompt_logprobs(seq))
+
+    def _prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
+        """vLLM's shape: None, then per prompt token {token id: Logprob}, the token itself first,
+        then the top-k of its position (ranks 1..k; as vLLM, a top-k entry for the token itself
+        replaces its own entry, keeping its place first)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        out: PromptLogprobs = [None]
+        for i, (lp, rank) in enumerate(zip(seq.prompt_logprobs, seq.prompt_ranks, strict=True)):
+            token = seq.prompt_token_ids[i + 1]
+            entry = {token: Logprob(lp, rank, self._token_text(token))}
+            for r, (tid, v) in enumerate(seq.prompt_top[i].items(), start=1):
+                entry[tid] = Logprob(v, r, self._token_text(tid))
+            out.append(entry)
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
 
     def run_to_completion(self) -> Iterator[Sequence]:
         """Step until idle, yielding each sequence as it finishes."""
@@ -154,3 +172,13 @@ class LLMEngine:
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
                     yield seq
+
+
+def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:
+    """Write a span's prompt logprobs at their positions (a recompute overwrites, never appends)."""
+    start = seq.num_computed_tokens
+    for values, new in ((seq.prompt_logprobs, span.logprobs), (seq.prompt_ranks, span.ranks),
+                        (seq.prompt_top, span.top)):
+        if new or len(values) > start:
+            del values[start:]
+            values.extend(new)
