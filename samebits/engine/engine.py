@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,22 @@ from samebits.loader import LoadedModel, load
 from samebits.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and admission decisions."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_preemptions: int  # since start
+
+
 class LLMEngine:
+    """The engine's interface: ``add_request``, ``abort``, ``step`` (the sequences that made
+    progress; finished ones are forgotten by the engine once returned), ``output`` (a sequence's
+    ``RequestOutput``), ``has_unfinished`` and ``stats``. Not thread-safe: one thread drives it."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load(config)
@@ -72,14 +88,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> EngineStats:
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks,
+                           pool.num_used, sched.num_preemptions)
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that made progress (new tokens or finished)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.run(batch)
-        return self.postprocess(batch, result)
+        progressed = self.postprocess(batch, self.runner.run(batch))
+        for seq in progressed:
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return progressed
 
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         spans = iter(result.scored)
@@ -168,10 +192,7 @@ class LLMEngine:
     def run_to_completion(self) -> Iterator[Sequence]:
         """Step until idle, yielding each sequence as it finishes."""
         while self.has_unfinished():
-            for seq in self.step():
-                if seq.is_finished:
-                    self.requests.pop(seq.request_id, None)
-                    yield seq
+            yield from (seq for seq in self.step() if seq.is_finished)
 
 
 def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:

@@ -2,9 +2,11 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
 ``GET /v1/models`` (these behind ``--api-key`` when one is set), ``GET /health``, ``GET /metrics``
-(Prometheus). Every response carries ``system_fingerprint``, and a generation the seed of each
-choice. A server serves a generation model, an embedding model (``--task embed``), or both
-(``--embed-model``); ``ServedModels`` routes each request to the model it names.
+(Prometheus), and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``,
+``GET /version`` (samebits.server.tokenization). Every response carries ``system_fingerprint``,
+and a generation the seed of each choice. A server serves a generation model, an embedding model
+(``--task embed``), or both (``--embed-model``); ``ServedModels`` routes each request to the model
+it names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from samebits import env
 from samebits.config import EngineConfig
 from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
+from samebits.server import tokenization
 from samebits.server.async_engine import AsyncEngine
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
@@ -87,6 +90,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None, api_key: str | N
     app = FastAPI(title="samebits", lifespan=lifespan)
     app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
     app.include_router(_v1_router(served, api_key))
+    app.include_router(tokenization.router(served, _parse))
     _add_open_routes(app, served, metrics)
     _add_error_handlers(app)
     app.add_middleware(StatusCounter, metrics=metrics)

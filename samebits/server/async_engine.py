@@ -43,6 +43,7 @@ class RequestGroup:
     params: list[SamplingParams]
     seed_offsets: list[int]  # without a seed, request i gets the drawn seed + seed_offsets[i]
     stream: bool  # deliver every step's tokens, not only the final output
+    score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
@@ -80,7 +81,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopped = False
-        metrics.kv_blocks_total.set(engine.kv.pool.num_blocks)
+        metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -168,7 +169,7 @@ class AsyncEngine:
                                         group.seed_offsets, strict=True):
                 if p.seed is None and base is not None:
                     p = replace(p, seed=base + off)
-                seq = self.engine.add_request(rid, ids, p)
+                seq = self.engine.add_request(rid, ids, p, score_only=group.score_only)
                 base = seq.seed - off if base is None else base
                 seqs.append(seq)
         except Exception as e:  # all or nothing, as LLM.generate
@@ -215,7 +216,6 @@ class AsyncEngine:
         output = None
         if seq.is_finished:
             output = self.engine.output(seq)
-            self.engine.requests.pop(seq.request_id, None)
             del self._tracked[seq.request_id]
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
         elif not t.group.stream or total == t.sent:
@@ -235,9 +235,8 @@ class AsyncEngine:
         _post(t.group, Delta(t.index, [], [], [], error=message))
 
     def _report_state(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
-                                      self.engine.kv.pool.num_used)
+        stats = self.engine.stats()
+        self.metrics.set_engine_state(stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
 
 def _post(group: RequestGroup, delta: Delta) -> None:

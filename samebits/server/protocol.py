@@ -64,17 +64,15 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
+    """``echo`` puts the prompt (and, with ``logprobs``, its logprobs: the first one null) before
+    the generated text; ``max_tokens: 0`` generates nothing (scoring). ``prompt_logprobs`` (vLLM)
+    returns each prompt token's logprob, rank and top-k in vLLM's per-choice shape."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # extension (as vLLM)
 
 
 class TextPart(_Request):
@@ -143,10 +141,21 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo``, the prompt's first token has no logprob: null in token_logprobs and
+    top_logprobs (as vLLM)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: rank is 1-based in the raw distribution (tokens with logprob >= this)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -155,6 +164,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     seed: int
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class _Response(BaseModel):

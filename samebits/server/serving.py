@@ -47,7 +47,7 @@ class ServingContext:
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         limit = self.max_model_len
-        if len(ids) >= limit:
+        if len(ids) > limit or (len(ids) == limit and max_tokens > 0):
             raise APIError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} "
                            "tokens", param=param, code="context_length_exceeded")
         if len(ids) + max_tokens > limit:
@@ -76,7 +76,7 @@ def _or(value, default):
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
-               stream: bool) -> RequestGroup:
+               stream: bool, score_only: bool = False) -> RequestGroup:
     """n engine requests per prompt; with a seed S, choice i of each prompt uses seed S + i."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -85,7 +85,7 @@ def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParam
             all_prompts.append(prompt)
             all_params.append(sp if sp.seed is None else replace(sp, seed=sp.seed + i))
             offsets.append(i)
-    return RequestGroup(ids, all_prompts, all_params, offsets, stream)
+    return RequestGroup(ids, all_prompts, all_params, offsets, stream, score_only)
 
 
 def new_id(kind: str) -> str:
