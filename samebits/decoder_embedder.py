@@ -34,7 +34,7 @@ class DecoderEmbedder(Embedder):
         self.max_len = self.engine.max_model_len
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.ops = get_encoder_ops(self.device, config.batch_invariant)
-        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
+        self.tokenizer = self._load_tokenizer()
         self.fingerprint = self.engine.fingerprint + f"-{self.pooling}{'-l2' if self.normalize else ''}"
 
     @torch.inference_mode()

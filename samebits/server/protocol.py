@@ -113,8 +113,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(_Request):
-    """``POST /v1/embeddings``. ``truncate`` is a samebits extension: cut inputs over the model's
-    token limit instead of answering 400. ``dimensions`` is accepted only as the model's own."""
+    """``POST /v1/embeddings``. An input over the model's token limit (sentence-transformers'
+    max_seq_length) is a 400 unless the request asks for truncation, as sentence-transformers
+    truncates: ``truncate: true`` (samebits) or vLLM's ``truncate_prompt_tokens`` (-1: the model's
+    limit; k: k tokens). ``dimensions`` is accepted only as the model's own."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -122,6 +124,7 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     truncate: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @field_validator("input", mode="wrap")
     @classmethod
