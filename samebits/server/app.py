@@ -12,6 +12,7 @@ it names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -216,17 +217,6 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    kwargs: dict[str, Any] = dict(
-        load_format=args.load_format, device=args.device, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager)
-    if args.standard:
-        kwargs["batch_invariant"] = False
-    return EngineConfig(model=args.model, **kwargs)
-
-
 def embed_model_name(model: str | None) -> str:
     return DEFAULT_EMBED_MODEL_NAME if model is None else model_name(model)
 
@@ -235,13 +225,9 @@ def load_embedder(args: argparse.Namespace, model: str | None, load_format: str 
                   max_model_len: int | None = None) -> Embedder:
     """The embedding model, through ``LLM(task="embed")`` so that it is exactly the offline one."""
     from samebits.llm import LLM
-    kwargs: dict[str, Any] = dict(
-        task="embed", load_format=load_format, device=args.device, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len, seed=args.seed)
-    if args.standard:
-        kwargs["batch_invariant"] = False
-    return LLM(model, **kwargs).embedder
+    config = EngineConfig.from_cli_args(args, task="embed", model=model, load_format=load_format,
+                                        max_model_len=max_model_len, seed=args.seed)
+    return LLM(**dataclasses.asdict(config)).embedder
 
 
 def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
@@ -254,7 +240,7 @@ def build_served_app(args: argparse.Namespace, api_key: str | None) -> FastAPI:
         embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
         name = args.served_model_name or embed_model_name(args.model)
         return build_app(None, None, api_key, embedder=embedder, embed_model_name=name)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
     embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
