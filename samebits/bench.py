@@ -5,30 +5,33 @@
         --device cuda --num-prompts 64 --prompt-len 1024 --max-tokens 256
 
 Each line: mode, requests, prompt/generated tokens, seconds, generated tokens/s; the last line the
-ratio invariant / standard.
+ratio invariant / standard (and a one-line summary on stderr). Progress bars go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
+import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from samebits import LLM, SamplingParams
+from samebits.config import EngineConfig
 
 
 def workload(args: argparse.Namespace, invariant: bool
              ) -> tuple[LLM, list[list[int]], SamplingParams]:
     """The engine for one mode, the random prompts and the sampling params, warmed up on the same
     shapes (kernels compiled, the decode graphs it will use captured)."""
-    llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-              batch_invariant=invariant, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+    config = EngineConfig.from_cli_args(args, batch_invariant=invariant,
+                                        enable_prefix_caching=False)
+    llm = LLM(**dataclasses.asdict(config))
     rng = random.Random(0)
     vocab = llm.engine.loaded.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
@@ -42,7 +45,7 @@ def workload(args: argparse.Namespace, invariant: bool
 def run(args: argparse.Namespace, invariant: bool) -> dict:
     llm, prompts, params = workload(args, invariant)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=args.progress)
     seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"bench": "e2e", "mode": "invariant" if invariant else "standard",
@@ -62,21 +65,18 @@ def _num_graphs(llm: LLM) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--num-prompts", type=int, default=16, help="requests per mode")
+    p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens each")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars on stderr")
 
 
 def run_both(args: argparse.Namespace) -> None:
+    """Standard, then invariant (JSON line each), then the ratio line and a summary on stderr."""
     results = {}
-    for invariant in (False, True):
+    for invariant in tqdm((False, True), desc="modes", unit="mode", disable=not args.progress):
         r = run(args, invariant)
         gc.collect()  # the first engine's KV cache must be gone before the second sizes its own
         if torch.cuda.is_available():
@@ -86,6 +86,9 @@ def run_both(args: argparse.Namespace) -> None:
     ratio = results["invariant"]["gen_tokens_per_s"] / results["standard"]["gen_tokens_per_s"]
     print(json.dumps({"bench": "e2e", "enforce_eager": args.enforce_eager,
                       "ratio_invariant_over_standard": round(ratio, 3)}))
+    inv, std = results["invariant"], results["standard"]
+    print(f"invariant {inv['gen_tokens_per_s']} tok/s, standard {std['gen_tokens_per_s']} tok/s "
+          f"({ratio:.3f}x) on {inv['device']}, {inv['requests']} requests", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ numerics; it is passed down, never read from the environment below this module.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,3 +202,55 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         return DTYPES[self.dtype]
+
+    # ---- the command line: one declaration of the engine options, one builder ----------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """The engine options every command that builds an engine takes (generate, verify,
+        serve, bench); ``from_cli_args`` turns them into an ``EngineConfig``."""
+        p.add_argument("--model", default=None, help="HF directory, .gguf file, or config.json "
+                       "(with --load-format dummy); None: the embedded SmolLM2-135M-Instruct "
+                       "(all-MiniLM-L6-v2 with --task embed)")
+        p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights of the model's real shapes")
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto: CUDA when available, else CPU")
+        p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                       help="auto: float32 on CPU, bfloat16 on CUDA")
+        p.add_argument("--standard", action="store_true",
+                       help="stock PyTorch ops instead of the batch-invariant ones (the baseline; "
+                       "SAMEBITS_BATCH_INVARIANT=0 does the same)")
+        p.add_argument("--max-num-seqs", type=int, default=64,
+                       help="most requests in one engine step")
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="most tokens in one engine step (longer prompts are chunked)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length; None: the model's own limit")
+        p.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV cache blocks; None: sized to 1 GiB on CPU, 80%% of free GPU "
+                       "memory on CUDA")
+        p.add_argument("--no-prefix-caching", action="store_true",
+                       help="never reuse cached KV blocks of a shared prefix")
+        p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
+                       help="prompt tokens prefilled per step (all sequences together), so running "
+                       "streams wait at most one such chunk; None: 128 on CPU, no cap on CUDA")
+        p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="shard the model over N processes (gloo on CPU, NCCL on GPU); the "
+                       "segmented arithmetic gives the same bits for every N; None: unsharded")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        """The config the options of ``add_cli_args`` describe; ``overrides`` win (a command's
+        own choices: ``task``, ``seed``, ``batch_invariant`` for a benchmark's two modes...)."""
+        kwargs: dict[str, Any] = dict(
+            model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+            enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            tensor_parallel_size=args.tensor_parallel_size)
+        if args.standard:
+            kwargs["batch_invariant"] = False
+        return cls(**{**kwargs, **overrides})

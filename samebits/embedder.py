@@ -115,7 +115,7 @@ class Embedder:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.ops = get_encoder_ops(self.device, config.batch_invariant)
         self.fingerprint = self._build()
-        self.tokenizer, self._truncating_tokenizer = self._load_tokenizers()
+        self.tokenizer = self._load_tokenizer()
 
     def _build(self) -> str:
         """Build and load the model (setting model_config, max_len, model); its fingerprint."""
@@ -130,10 +130,20 @@ class Embedder:
         return fingerprint(digest, self.dtype, self.config, backend)
 
     def _max_len(self, requested: int | None) -> int:
+        """sentence-transformers' ``max_seq_length`` (sentence_bert_config.json: the length the
+        model was trained at; 256 for all-MiniLM-L6-v2), else the position limit; an explicit
+        ``max_model_len`` may go up to the position limit."""
         limit = self.model_config.max_position_embeddings
         if requested is not None and requested > limit:
             raise ValueError(f"max_model_len={requested} is over the model's limit of {limit} tokens")
-        return requested or limit
+        return requested or min(limit, self._max_seq_length() or limit)
+
+    def _max_seq_length(self) -> int | None:
+        file = self.model_dir / "sentence_bert_config.json"
+        value = read_json(file).get("max_seq_length") if file.is_file() else None
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ModelFormatError(f"{file}: max_seq_length must be a positive integer")
+        return value
 
     def _load_weights(self, raw: dict[str, Any]) -> str:
         if self.config.load_format == "dummy":
@@ -143,27 +153,26 @@ class Embedder:
         self.model.load_weights((n, t.to(self.dtype)) for n, t in hf.iter_safetensors(files))
         return hf.weights_digest(files)
 
-    def _load_tokenizers(self) -> tuple[Tokenizer | None, Tokenizer | None]:
-        """(untruncated, truncating at max_len); padding off: fixed padding would enter pooling."""
+    def _load_tokenizer(self) -> Tokenizer | None:
+        """Padding and truncation off: fixed padding would enter pooling; truncation is asked
+        for per call."""
         file = self.model_dir / "tokenizer.json"
         if not file.is_file():
-            return None, None
+            return None
         try:
-            tok, trunc = Tokenizer.from_file(str(file)), Tokenizer.from_file(str(file))
+            tok = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise ModelFormatError(f"{file}: cannot parse tokenizer ({e})") from None
-        for t in (tok, trunc):
-            t.no_padding()
-            t.no_truncation()
-        trunc.enable_truncation(max_length=self.max_len)
-        return tok, trunc
+        tok.no_padding()
+        tok.no_truncation()
+        return tok
 
-    def embed(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool = False
+    def embed(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool | int = False
               ) -> list[list[float]]:
         """One vector per input, in input order; see the module docstring for the guarantee."""
         return [o.embedding for o in self.embed_outputs(inputs, truncate)]
 
-    def embed_outputs(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool = False
+    def embed_outputs(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool | int = False
                       ) -> list[EmbeddingOutput]:
         ids = self.tokenize(inputs, truncate)
         vectors: list[list[float]] = []
@@ -171,30 +180,47 @@ class Embedder:
             vectors.extend(self._forward([ids[i] for i in group]))
         return [EmbeddingOutput(v, i) for v, i in zip(vectors, ids, strict=True)]
 
-    def tokenize(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool = False
+    def tokenize(self, inputs: EmbedInput | Sequence[EmbedInput], truncate: bool | int = False
                  ) -> list[list[int]]:
         """Token ids of every input (texts get the model's special tokens; id lists are taken as
-        given), checked against the vocabulary and the length limit."""
+        given), checked against the vocabulary and the length limit. An input over the limit
+        raises, unless ``truncate``: True cuts it to ``max_len`` tokens, an int k to k tokens,
+        as sentence-transformers does (a text keeps its special tokens: [CLS] ... [SEP]; an id
+        list keeps its first k ids)."""
+        limit = self._truncation(truncate)
         items = _as_items(inputs)
         out = []
         for n, item in enumerate(items):
-            ids = self._encode(n, item, truncate)
+            ids = self._encode(n, item, limit)
             if len(ids) > self.max_len:
                 raise ValueError(f"input {n} has {len(ids)} tokens, over the model's limit of "
                                  f"{self.max_len} tokens; shorten it or pass truncate=True")
             out.append(ids)
         return out
 
-    def _encode(self, n: int, item: EmbedInput, truncate: bool) -> list[int]:
+    def _truncation(self, truncate: bool | int) -> int | None:
+        if truncate is False:
+            return None
+        if truncate is True:
+            return self.max_len
+        if not isinstance(truncate, int) or not 0 < truncate <= self.max_len:
+            raise ValueError(f"truncate must be a bool or a token count from 1 to the model's limit "
+                             f"of {self.max_len} tokens, got {truncate!r}")
+        return truncate
+
+    def _encode(self, n: int, item: EmbedInput, limit: int | None) -> list[int]:
         if isinstance(item, str):
             if item == "":
                 raise ValueError(f"input {n} is an empty string")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass token id lists")
-            tok = self._truncating_tokenizer if truncate else self.tokenizer
-            return tok.encode_batch([item])[0].ids  # the batch call releases the GIL
+            if limit is None:  # encode_batch releases the GIL (a worker thread never stalls a server)
+                return self.tokenizer.encode_batch([item])[0].ids
+            enc = self.tokenizer.encode_batch([item], add_special_tokens=False)[0]
+            enc.truncate(max(limit - self.tokenizer.num_special_tokens_to_add(False), 0))
+            return self.tokenizer.post_process(enc).ids
         ids = _check_ids(n, item, self.model_config.vocab_size)
-        return ids[:self.max_len] if truncate else ids
+        return ids if limit is None else ids[:limit]
 
     def _batches(self, lens: list[int]) -> list[list[int]]:
         """Consecutive groups within max_num_seqs and max_num_batched_tokens (counting padding in

@@ -180,7 +180,7 @@ class LLM:
         chosen = sorted(seqs, key=lambda s: -sum(s.logprobs))[:n] if len(seqs) > n else seqs
         return RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(first.prompt_token_ids),
-            prompt_logprobs=None,
+            prompt_logprobs=self.engine.prompt_logprobs(first),
             outputs=[self.engine.completion(s, i) for i, s in enumerate(chosen)],
             finished=all(s.is_finished for s in chosen),
             num_cached_tokens=first.num_cached_tokens, system_fingerprint=self.fingerprint)

@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top logprobs per generated token
+    # logprob (and rank) of every prompt token given the ones before it, plus this many top
+    # logprobs per prompt position; bitwise ``LLM.score``'s values. Bypasses the prefix cache.
+    prompt_logprobs: int | None = None
     n: int = 1  # outputs per prompt
     best_of: int | None = None  # candidates per prompt (>= n); the n most likely are returned
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
@@ -57,6 +60,10 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer from 0 to 20, got "
+                             f"{self.prompt_logprobs!r}")
         self._check_choices()
         self._check_stops()
         self._check_controls()

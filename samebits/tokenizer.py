@@ -24,6 +24,8 @@ def _token_str(value: Any) -> str | None:
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, config: dict[str, Any], eos_ids: tuple[int, ...]) -> None:
         self._tok = tok
+        self.config = config  # tokenizer_config.json as read (GET /tokenizer_info serves it)
+        self.pad_token = _token_str(config.get("pad_token"))
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
         self.add_bos_token = bool(config.get("add_bos_token", False))
@@ -66,12 +68,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        # encode_batch releases the GIL (encode does not), so a long text tokenized in a worker
-        # thread never stalls the server's event loop; the ids are the same
-        ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids  # + post-processor BOS
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token text (``<|im_end|>``) always maps to its id, and
+        ``add_special_tokens`` adds what the tokenizer adds around a text (its BOS). Through
+        ``encode_batch``, which releases the GIL (``encode`` does not), so a long text tokenized
+        in a worker thread never stalls the server's event loop; the ids are the same."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
-        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [self.bos_token_id, *ids]
         return ids
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -16,15 +17,30 @@ from samebits.config import EngineConfig
 from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
-from samebits.engine.runner import ModelRunner, StepResult
+from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
-from samebits.engine.sequence import CompletionOutput, Sequence
+from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, Sequence
 from samebits.loader import LoadedModel, load
 from samebits.models.weights import update_weights
 from samebits.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and admission decisions."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_preemptions: int  # since start
+
+
 class LLMEngine:
+    """The engine's interface: ``add_request``, ``abort``, ``step`` (the sequences that made
+    progress; finished ones are forgotten by the engine once returned), ``output`` (a sequence's
+    ``RequestOutput``), ``has_unfinished`` and ``stats``. Not thread-safe: one thread drives it."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load(config)
@@ -133,21 +149,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> EngineStats:
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks,
+                           pool.num_used, sched.num_preemptions)
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that made progress (new tokens or finished)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.run(batch)
-        return self.postprocess(batch, result)
+        progressed = self.postprocess(batch, self.runner.run(batch))
+        for seq in progressed:
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return progressed
 
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        spans = iter(result.score_logprobs)
+        spans = iter(result.scored)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.score_only:  # position-indexed: a recompute after preemption overwrites
-                del seq.prompt_logprobs[seq.num_computed_tokens:]
-                seq.prompt_logprobs.extend(next(spans))
+            if seq.wants_prompt_logprobs:
+                _store_prompt_logprobs(seq, next(spans))
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             if seq.score_only and seq.num_computed_tokens == seq.num_tokens:
@@ -245,10 +268,35 @@ class LLMEngine:
                                 list(seq.top_logprobs), float(sum(seq.logprobs)),
                                 seq.finish_reason, seq.seed)
 
+    def prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
+        """vLLM's shape: None, then per prompt token {token id: Logprob}, the token itself first,
+        then the top-k of its position (ranks 1..k; as vLLM, a top-k entry for the token itself
+        replaces its own entry, keeping its place first)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        out: PromptLogprobs = [None]
+        for i, (lp, rank) in enumerate(zip(seq.prompt_logprobs, seq.prompt_ranks, strict=True)):
+            token = seq.prompt_token_ids[i + 1]
+            entry = {token: Logprob(lp, rank, self._token_text(token))}
+            for r, (tid, v) in enumerate(seq.prompt_top[i].items(), start=1):
+                entry[tid] = Logprob(v, r, self._token_text(tid))
+            out.append(entry)
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+
     def run_to_completion(self) -> Iterator[Sequence]:
         """Step until idle, yielding each sequence as it finishes."""
         while self.has_unfinished():
-            for seq in self.step():
-                if seq.is_finished:
-                    self.requests.pop(seq.request_id, None)
-                    yield seq
+            yield from (seq for seq in self.step() if seq.is_finished)
+
+
+def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:
+    """Write a span's prompt logprobs at their positions (a recompute overwrites, never appends)."""
+    start = seq.num_computed_tokens
+    for values, new in ((seq.prompt_logprobs, span.logprobs), (seq.prompt_ranks, span.ranks),
+                        (seq.prompt_top, span.top)):
+        if new or len(values) > start:
+            del values[start:]
+            values.extend(new)

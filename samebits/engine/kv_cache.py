@@ -108,8 +108,8 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of ``seq``, leaving at least one token to compute
-        (its logits are needed)."""
-        if not self.enable_prefix_caching or seq.score_only:
+        (its logits are needed). None for a request that needs every prompt position's logprob."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         self._update_hashes(seq, seq.num_tokens - 1)
         blocks = []

@@ -25,8 +25,18 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # flat token row of each sequence that gets a new token
     sample_seqs: list[Sequence]
-    score_rows: list[int]  # flat token rows of score-only sequences (every position)
+    score_rows: list[int]  # flat token rows of prompt positions whose next token is scored
     score_spans: list[tuple[Sequence, int, int]]  # (seq, first position, count), score_rows order
+
+
+@dataclass
+class ScoredSpan:
+    """Prompt logprobs of one span of positions: the next token's logprob at each, and for
+    requests asking for prompt logprobs its rank and the top-k (empty lists otherwise)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[dict[int, float]]
 
 
 @dataclass
@@ -35,7 +45,7 @@ class StepResult:
     tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    score_logprobs: list[list[float]]  # per score span: logprob of each next token it scored
+    scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
 
 
 class ModelRunner:
@@ -78,10 +88,11 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             slots.extend(self._slot(seq, p) for p in range(start, start + n))
             seq_lens.append(start + n)
-            if seq.score_only:
-                score_spans.append((seq, start, n))
-                score_rows.extend(range(qsl[-1], qsl[-1] + n))
-            elif start + n == seq.num_tokens:
+            if seq.wants_prompt_logprobs:  # positions whose next token is a prompt token
+                count = max(0, min(n, len(seq.prompt_token_ids) - 1 - start))
+                score_spans.append((seq, start, count))
+                score_rows.extend(range(qsl[-1], qsl[-1] + count))
+            if not seq.score_only and start + n == seq.num_tokens:
                 sample_seqs.append(seq)
                 sample_rows.append(qsl[-1] + n - 1)
             qsl.append(qsl[-1] + n)
@@ -128,7 +139,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sample_rows:
             self._sample(inputs.sample_rows, inputs.sample_seqs, hidden, result)
-        if inputs.score_rows:
+        if inputs.score_spans:
             self._score(inputs, hidden, result)
         return result
 
@@ -152,17 +163,26 @@ class ModelRunner:
         result.top_logprobs = [_top(logprobs[i], s.params.logprobs) for i, s in enumerate(seqs)]
 
     def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
-        """Logprob of token p+1 given tokens [0, p], for each scored position p."""
-        rows = torch.tensor(inputs.score_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        logprobs = self.model.ops.log_softmax(logits)
+        """Logprob of token p+1 given tokens [0, p], for each scored position p: log_softmax of the
+        raw fp32 logits through the invariant backend, as the sampler reports them."""
+        logprobs = None
+        if inputs.score_rows:
+            rows = torch.tensor(inputs.score_rows, device=self.device)
+            logprobs = self.model.ops.log_softmax(self.model.compute_logits(hidden[rows]))
         row = 0
         for seq, start, count in inputs.score_spans:
-            tokens = seq.all_token_ids
-            n = min(count, len(tokens) - 1 - start)  # the last position has no next token
-            nxt = torch.tensor(tokens[start + 1:start + 1 + n], device=self.device)
-            picked = logprobs[row:row + n].gather(1, nxt[:, None])[:, 0]
-            result.score_logprobs.append(picked.tolist())
+            span = ScoredSpan([], [], [])
+            if count:
+                nxt = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + count],
+                                   device=self.device)
+                block = logprobs[row:row + count]
+                picked = block.gather(1, nxt[:, None])
+                span.logprobs = picked[:, 0].tolist()
+                k = seq.params.prompt_logprobs
+                if k is not None:
+                    span.ranks = (block >= picked).sum(dim=1).tolist()
+                    span.top = [_top(r, k) for r in block]
+            result.scored.append(span)
             row += count
 
 

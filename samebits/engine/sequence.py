@@ -32,7 +32,12 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[float] = field(default_factory=list)  # score_only: t_1 .. t_{n-1}
+    # logprob of prompt token i+1 at index i (t_1 .. t_{n-1}), for score_only requests and those
+    # asking for prompt logprobs; ranks and top-k only for the latter. Position-indexed, so a
+    # recompute after preemption overwrites entries instead of appending.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
@@ -56,6 +61,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position must be computed (no prefix-cache hits) and its logprob kept."""
+        return self.score_only or self.params.prompt_logprobs is not None
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's per-token entry: the logprob, its 1-based rank in the raw distribution (the number
+    of tokens whose logprob is >= this one's), and the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # None first: the first token has no context
 
 
 @dataclass
@@ -84,7 +107,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None  # the prompt text; None when it was given as token ids
     prompt_token_ids: list[int]
-    prompt_logprobs: list | None  # None unless asked for
+    prompt_logprobs: PromptLogprobs | None  # None unless SamplingParams.prompt_logprobs is set
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int  # prompt tokens its first sequence took from the prefix cache

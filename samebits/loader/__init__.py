@@ -65,7 +65,7 @@ def load(config: EngineConfig) -> LoadedModel:
     else:
         files = hf.safetensors_files(model_dir)
         weights = tqdm(hf.iter_safetensors(files), desc="loading weights", unit="tensor",
-                       leave=False)
+                       total=hf.count_tensors(files), leave=False)
         model.load_weights((n, t.to(dtype)) for n, t in weights)
         digest = hf.weights_digest(files)
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)

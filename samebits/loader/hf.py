@@ -42,6 +42,18 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def count_tensors(files: list[Path]) -> int:
+    """How many tensors the files hold (their headers only; a progress bar's total)."""
+    total = 0
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                total += len(st.keys())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelFormatError(f"{f}: cannot read safetensors ({e})") from None
+    return total
+
+
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         try:

@@ -2,14 +2,17 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
 ``GET /v1/models`` (these behind ``--api-key`` when one is set), ``GET /health``, ``GET /metrics``
-(Prometheus). Every response carries ``system_fingerprint``, and a generation the seed of each
-choice. A server serves a generation model, an embedding model (``--task embed``), or both
-(``--embed-model``); ``ServedModels`` routes each request to the model it names.
+(Prometheus), and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``,
+``GET /version`` (samebits.server.tokenization). Every response carries ``system_fingerprint``,
+and a generation the seed of each choice. A server serves a generation model, an embedding model
+(``--task embed``), or both (``--embed-model``); ``ServedModels`` routes each request to the model
+it names.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -29,6 +32,7 @@ from samebits import env
 from samebits.config import EngineConfig
 from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
+from samebits.server import tokenization
 from samebits.server.async_engine import AsyncEngine
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
@@ -103,6 +107,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None,
         from samebits.server import weight_updates
         weight_updates.add_route(router, ctx, metrics, _parse)
     app.include_router(router)
+    app.include_router(tokenization.router(served, _parse))
     _add_open_routes(app, served, metrics)
     _add_error_handlers(app)
     document_bodies(app, REQUEST_BODIES)
@@ -265,18 +270,6 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    kwargs: dict[str, Any] = dict(
-        load_format=args.load_format, device=args.device, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        long_prefill_token_threshold=args.long_prefill_token_threshold)
-    if args.standard:
-        kwargs["batch_invariant"] = False
-    return EngineConfig(model=args.model, **kwargs)
-
-
 def embed_model_name(model: str | None) -> str:
     return DEFAULT_EMBED_MODEL_NAME if model is None else model_name(model)
 
@@ -285,13 +278,9 @@ def load_embedder(args: argparse.Namespace, model: str | None, load_format: str 
                   max_model_len: int | None = None) -> Embedder:
     """The embedding model, through ``LLM(task="embed")`` so that it is exactly the offline one."""
     from samebits.llm import LLM
-    kwargs: dict[str, Any] = dict(
-        task="embed", load_format=load_format, device=args.device, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len, seed=args.seed)
-    if args.standard:
-        kwargs["batch_invariant"] = False
-    return LLM(model, **kwargs).embedder
+    config = EngineConfig.from_cli_args(args, task="embed", model=model, load_format=load_format,
+                                        max_model_len=max_model_len, seed=args.seed)
+    return LLM(**dataclasses.asdict(config)).embedder
 
 
 def read_chat_template(spec: str) -> str:
@@ -315,7 +304,7 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         name = args.served_model_name or embed_model_name(args.model)
         return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
                          **_limits(args))
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
     embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME

@@ -45,11 +45,13 @@ class RequestGroup:
     seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     seeds: list[int] = field(default_factory=list)  # filled in at admission
     cached_tokens: list[int] = field(default_factory=list)  # per request, set when it finishes
+    prompt_logprobs: list = field(default_factory=list)  # per request (PromptLogprobs | None), same
 
 
 @dataclass
@@ -98,7 +100,7 @@ class AsyncEngine:
         self._stopped = False
         self._update: _UpdateWeights | None = None  # engine thread only: a swap waiting to drain
         self._held: list[_Add] = []  # requests that arrived while it waits (admitted after)
-        metrics.kv_blocks_total.set(engine.kv.pool.num_blocks)
+        metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -227,7 +229,8 @@ class AsyncEngine:
                                         group.seed_offsets, strict=True):
                 if p.seed is None and base is not None:
                     p = replace(p, seed=choice_seed(base, off))
-                seq = self.engine.add_request(rid, ids, p, index=off, cache_salt=group.cache_salt)
+                seq = self.engine.add_request(rid, ids, p, score_only=group.score_only, index=off,
+                                              cache_salt=group.cache_salt)
                 base = choice_seed(seq.seed, -off) if base is None else base
                 seqs.append(seq)
         except Exception as e:  # all or nothing, as LLM.generate
@@ -238,6 +241,7 @@ class AsyncEngine:
             return
         group.seeds = [s.seed for s in seqs]
         group.cached_tokens = [0] * len(seqs)
+        group.prompt_logprobs = [None] * len(seqs)
         for i, seq in enumerate(seqs):
             self._tracked[seq.request_id] = _Tracked(group, i, queued=True)
             self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
@@ -315,7 +319,7 @@ class AsyncEngine:
         if seq.is_finished:
             output = self.engine.completion(seq)
             t.group.cached_tokens[t.index] = seq.num_cached_tokens
-            self.engine.requests.pop(seq.request_id, None)
+            t.group.prompt_logprobs[t.index] = self.engine.prompt_logprobs(seq)
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
@@ -337,9 +341,8 @@ class AsyncEngine:
         _post(t.group, Delta(t.index, [], [], [], error=message))
 
     def _report_state(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
-                                      self.engine.kv.pool.num_used)
+        stats = self.engine.stats()
+        self.metrics.set_engine_state(stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
 
 class QueueFull(Exception):

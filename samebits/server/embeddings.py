@@ -42,7 +42,7 @@ MAX_BATCH_INPUTS = 32  # inputs per embedder call: the unit of fairness and of c
 @dataclass
 class _Job:
     inputs: list[EmbedInput]
-    truncate: bool
+    truncate: bool | int  # Embedder.tokenize's: True (at the model's limit) or a token count
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     abandoned: bool = False  # set by the event loop when the client left: drop, never finish
@@ -100,7 +100,7 @@ class EmbeddingService:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def embed(self, inputs: list[EmbedInput], truncate: bool,
+    async def embed(self, inputs: list[EmbedInput], truncate: bool | int,
                     disconnected: Awaitable[None] | None = None) -> list[EmbeddingOutput]:
         """Vectors of the inputs; bad input raises a 400 ``APIError`` naming the input. When
         ``disconnected`` completes first, the work is dropped and a 499 raised."""
@@ -249,8 +249,8 @@ def _settle(job: _Job, result: list[EmbeddingOutput] | None = None,
 
 def input_error(message: str) -> APIError:
     code = "context_length_exceeded" if "over the model's limit" in message else None
-    return APIError(400, message.replace("truncate=True", '"truncate": true'), param="input",
-                    code=code)
+    message = message.replace("truncate=True", '"truncate": true (or "truncate_prompt_tokens")')
+    return APIError(400, message, param="input", code=code)
 
 
 # ---- the endpoint ---------------------------------------------------------------------------
@@ -263,13 +263,23 @@ async def create_embedding(svc: EmbeddingService, req: EmbeddingRequest,
                        f"gives {svc.dimension}-dimensional vectors (omit dimensions)",
                        param="dimensions")
     disconnected = None if request is None else _wait_disconnect(request)
-    outputs = await svc.embed(_inputs(req.input), req.truncate, disconnected)
+    outputs = await svc.embed(_inputs(req.input), _truncation(svc, req), disconnected)
     encode = _base64 if req.encoding_format == "base64" else list
     data = [EmbeddingData(index=i, embedding=encode(o.embedding)) for i, o in enumerate(outputs)]
     tokens = sum(o.num_tokens for o in outputs)
     svc.metrics.embedding_latency.observe(time.monotonic() - arrival)
     return EmbeddingResponse(data=data, model=svc.model_name, system_fingerprint=svc.fingerprint,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _truncation(svc: EmbeddingService, req: EmbeddingRequest) -> bool | int:
+    k = req.truncate_prompt_tokens
+    if k is None or k == -1:
+        return req.truncate or k == -1
+    if not 0 < k <= svc.max_len:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or from 1 to the model's limit of "
+                       f"{svc.max_len} tokens, got {k}", param="truncate_prompt_tokens")
+    return k
 
 
 def _inputs(value: str | list) -> list[EmbedInput]:

@@ -3,7 +3,14 @@ distribution; JSON carries them as the shortest decimal that reads back to the s
 
 from __future__ import annotations
 
-from samebits.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from samebits.engine.sequence import PromptLogprobs
+from samebits.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+)
 from samebits.server.tokens import TokenText
 
 
@@ -43,3 +50,39 @@ def _entry(tt: TokenText, token_id: int, logprob: float) -> TopLogprob:
 def text_length(tt: TokenText, token_ids: list[int]) -> int:
     """Characters the tokens' texts add up to (where the next text_offset starts)."""
     return sum(len(tt.get(t)[0]) for t in token_ids)
+
+
+def echo_logprobs(tt: TokenText, prompt_ids: list[int], prompt: PromptLogprobs, k: int,
+                  generated: CompletionLogprobs) -> CompletionLogprobs:
+    """``echo`` with ``logprobs``: the prompt's tokens (the first with null logprobs, as vLLM),
+    each with its top ``k`` and itself, followed by the generated tokens' ``generated``."""
+    out, offset = CompletionLogprobs(), 0
+    for i, tid in enumerate(prompt_ids):
+        text = tt.get(tid)[0]
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if i == 0:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        entry = prompt[i]
+        ranked = {tt.get(t)[0]: lp.logprob for _, t, lp in
+                  sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= k)}
+        ranked.setdefault(text, entry[tid].logprob)
+        out.token_logprobs.append(entry[tid].logprob)
+        out.top_logprobs.append(ranked)
+    out.tokens += generated.tokens
+    out.token_logprobs += generated.token_logprobs
+    out.top_logprobs += generated.top_logprobs
+    out.text_offset += [offset + o for o in generated.text_offset]
+    return out
+
+
+def vllm_prompt_logprobs(prompt: PromptLogprobs, k: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: null, then {"<id>": {logprob, rank,
+    decoded_token}} per prompt token -- the token itself first, then its position's top ``k``."""
+    return [None] + [
+        {str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+         for n, (t, lp) in enumerate(entry.items()) if n == 0 or lp.rank <= k}
+        for entry in prompt[1:]]

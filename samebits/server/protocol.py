@@ -173,17 +173,15 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
+    """``echo`` puts the prompt (and, with ``logprobs``, its logprobs: the first one null) before
+    the generated text; ``max_tokens: 0`` generates nothing (scoring). ``prompt_logprobs`` (vLLM)
+    returns each prompt token's logprob, rank and top-k in vLLM's per-choice shape."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # extension (as vLLM)
 
 
 class TextPart(_Request):
@@ -237,8 +235,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(_Request):
-    """``POST /v1/embeddings``. ``truncate`` is a samebits extension: cut inputs over the model's
-    token limit instead of answering 400. ``dimensions`` is accepted only as the model's own."""
+    """``POST /v1/embeddings``. An input over the model's token limit (sentence-transformers'
+    max_seq_length) is a 400 unless the request asks for truncation, as sentence-transformers
+    truncates: ``truncate: true`` (samebits) or vLLM's ``truncate_prompt_tokens`` (-1: the model's
+    limit; k: k tokens). ``dimensions`` is accepted only as the model's own."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -246,6 +246,7 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     truncate: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -270,10 +271,21 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo``, the prompt's first token has no logprob: null in token_logprobs and
+    top_logprobs (as vLLM)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: rank is 1-based in the raw distribution (tokens with logprob >= this)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -282,6 +294,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     seed: int
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class _Response(BaseModel):

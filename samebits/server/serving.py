@@ -65,7 +65,7 @@ class ServingContext:
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         limit = self.max_model_len
-        if len(ids) >= limit:
+        if len(ids) > limit or (len(ids) == limit and max_tokens > 0):
             raise APIError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} "
                            "tokens", param=param, code="context_length_exceeded")
         if len(ids) + max_tokens > limit:
@@ -101,9 +101,11 @@ def _or(value, default):
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
-               stream: bool, cache_salt: str | None = None) -> RequestGroup:
+               stream: bool, cache_salt: str | None = None, score_only: bool = False
+               ) -> RequestGroup:
     """n engine requests per prompt (its candidates); with a seed S, candidate i of each prompt
-    uses seed ``choice_seed(S, i)`` = S + i (wrapped into [0, 2**63))."""
+    uses seed ``choice_seed(S, i)`` = S + i (wrapped into [0, 2**63)). ``score_only``: teacher-
+    forced prompt logprobs, nothing generated."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         for i in range(n):
@@ -111,7 +113,7 @@ def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParam
             all_prompts.append(prompt)
             all_params.append(sp if sp.seed is None else replace(sp, seed=choice_seed(sp.seed, i)))
             offsets.append(i)
-    return RequestGroup(ids, all_prompts, all_params, offsets, stream, cache_salt)
+    return RequestGroup(ids, all_prompts, all_params, offsets, stream, cache_salt, score_only)
 
 
 def best(outputs: list[CompletionOutput], n: int, candidates: int) -> list[CompletionOutput]:

@@ -110,3 +110,21 @@ def test_pooling_modes_on_a_small_bert(tiny_bert, mode, normalize):
         assert (emb.embedder.pooling, emb.embedder.normalize) == (mode, normalize)
         got = torch.tensor(emb.embed(ids))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_texts_past_max_seq_length_truncate_as_sentence_transformers():
+    """sentence_bert_config.json's max_seq_length (256) is the limit: longer texts are a
+    ValueError unless truncation is asked for, and then match sentence-transformers, which
+    truncates them to 256 tokens ([CLS] ... [SEP])."""
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(default_model_dir()), device="cpu")
+    long = [" ".join(SENTENCES[i:i + 20]) for i in range(0, 40, 10)]  # 260-340 tokens each
+    long.append(" ".join(SENTENCES))  # ~680 tokens
+    emb = LLM(task="embed")
+    lens = [len(emb.embedder.tokenizer.encode(t).ids) for t in long]
+    assert model.max_seq_length == emb.embedder.max_len == 256 and min(lens) > 256, lens
+    with pytest.raises(ValueError, match="limit of 256 tokens"):
+        emb.embed(long)
+    want = model.encode(long, convert_to_tensor=True).float()
+    got = torch.tensor(emb.embed(long, truncate=True))
+    assert _cosines(got, want).min() >= COS_MIN

@@ -127,3 +127,10 @@ def server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def standard_server() -> Iterator[Server]:
     yield from start_server("--standard")
+
+
+@pytest.fixture(scope="session")
+def offline_llm():
+    """The offline API on the servers' model and context (a small KV cache)."""
+    from samebits import LLM
+    return LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)

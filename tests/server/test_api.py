@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from samebits import LLM, SamplingParams
+from samebits import SamplingParams
 from tests.server.conftest import MAX_MODEL_LEN
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -103,14 +103,14 @@ def test_every_response_carries_the_fingerprint(server):
     assert {c.system_fingerprint for c in chunks} == {fp}
 
 
-def test_http_server_equals_offline_api(server):
+def test_http_server_equals_offline_api(server, offline_llm):
     client = server.client()
     web = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8,
                                     seed=77, logprobs=0, n=2).choices
     web_chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6,
                                               temperature=0.8, seed=78, logprobs=True
                                               ).choices[0]
-    llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+    llm = offline_llm
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=77, n=2)
     offline = llm.generate(PROMPT, params)[0].outputs
     offline_chat = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.8, seed=78)

@@ -32,8 +32,8 @@ EMBED = "all-MiniLM-L6-v2"
 GEN = "SmolLM2-135M-Instruct"
 WORDS = ("alpha river stone quickly seven blue market engine whisper under the of a to and "
          "reproducible inference batch vector cannot 2025 naïve café über ++ -- (x) {y}").split()
-WORD_COUNTS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 370, 4, 60, 1, 2, 7, 17, 40, 99, 180,
-               11, 6, 3, 120, 250, 9, 25, 70, 2, 150]
+WORD_COUNTS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 170, 190, 4, 60, 1, 2, 7, 17, 40, 99, 180,
+               11, 6, 3, 120, 160, 9, 25, 70, 2, 150]
 
 
 def _text(i: int) -> str:
@@ -99,7 +99,7 @@ def _concurrent(client: openai.AsyncOpenAI, texts: list[str], limit: int = 16
 
 def test_vectors_are_bitwise_independent_of_the_batch_and_equal_offline(embed_server, offline):
     lens = [len(ids) for ids in offline.embedder.tokenize(TEXTS)]
-    assert min(lens) <= 4 and 400 <= max(lens) < 512  # very different lengths
+    assert min(lens) <= 4 and 200 <= max(lens) <= 256  # very different lengths, all in the limit
     tokens_before = embed_server.metric("samebits_embedding_tokens_total")
     calls_before = embed_server.metric("samebits_embedding_batch_size_count")
     client = embed_server.client()
@@ -167,12 +167,19 @@ def test_truncate_extension(embed_server, offline):
     client = embed_server.client()
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=EMBED, input=long)
-    assert "512" in e.value.body["message"] and e.value.body["param"] == "input"
+    assert "256" in e.value.body["message"] and e.value.body["param"] == "input"
     assert e.value.body["code"] == "context_length_exceeded"
     out = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
                                    extra_body={"truncate": True})
-    assert out.usage.prompt_tokens == 512
+    assert out.usage.prompt_tokens == 256  # sentence_bert_config.json's max_seq_length
     assert out.data[0].embedding == offline.embed([long], truncate=True)[0]
+    vllm = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": -1})
+    assert vllm.data[0].embedding == out.data[0].embedding
+    short = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
+                                     extra_body={"truncate_prompt_tokens": 100})
+    assert short.usage.prompt_tokens == 100
+    assert short.data[0].embedding == offline.embed([long], truncate=100)[0]
 
 
 def _j(**body) -> bytes:
@@ -193,8 +200,10 @@ BAD = [  # (id, raw body, status, param)
     ("too-deep", _j(model=EMBED, input=[[[101]]]), 400, "input"),
     ("id-negative", _j(model=EMBED, input=[101, -1, 102]), 400, "input"),
     ("id-out-of-vocab", _j(model=EMBED, input=[[101, 30522, 102]]), 400, "input"),
-    ("over-512-tokens", _j(model=EMBED, input=["short", "word " * 600]), 400, "input"),
-    ("over-512-ids", _j(model=EMBED, input=[1000] * 513), 400, "input"),
+    ("over-256-tokens", _j(model=EMBED, input=["short", "word " * 300]), 400, "input"),
+    ("over-256-ids", _j(model=EMBED, input=[1000] * 257), 400, "input"),
+    ("truncate-prompt-tokens-over-limit", _j(model=EMBED, input="hi", truncate_prompt_tokens=257),
+     400, "truncate_prompt_tokens"),
     ("too-many-inputs", _j(model=EMBED, input=["a"] * 2049), 400, "input"),
     ("missing-input", _j(model=EMBED), 400, "input"),
     ("unknown-model", _j(model="text-embedding-3-small", input="hi"), 404, "model"),
@@ -252,7 +261,7 @@ def test_embedding_server_refuses_generation_and_lists_its_model(embed_server):
         client.completions.create(model=GEN, prompt="hi")
     models = client.models.list().data
     assert [(m.id, m.model_extra["task"], m.model_extra["max_model_len"]) for m in models] == [
-        (EMBED, "embed", 512)]
+        (EMBED, "embed", 256)]
     health = httpx.get(f"{embed_server.url}/health", timeout=30).json()
     assert health["system_fingerprint"] == models[0].model_extra["system_fingerprint"]
 

@@ -21,7 +21,7 @@ from samebits.ops.encoder import SeqLayout, get_encoder_ops
 
 WORDS = ("alpha river stone quickly seven blue market engine whisper under the of a to and "
          "reproducible inference batch vector cannot 2025 naïve café über ++ -- (x) {y}").split()
-WORD_COUNTS = [1, 2, 3, 4, 6, 9, 13, 20, 31, 47, 70, 110, 2, 5, 200, 1]  # 3 to ~280 tokens
+WORD_COUNTS = [1, 2, 3, 4, 6, 9, 13, 20, 31, 47, 70, 110, 2, 5, 180, 1]  # 3 to ~250 tokens
 BATCH_TOKENS = 1 << 15  # a batch of 64 runs as one forward
 
 
@@ -66,7 +66,7 @@ def _orders() -> list[tuple[int, list[int]]]:
 
 def test_vector_is_bitwise_independent_of_the_batch(inv):
     lens = [len(ids) for ids in inv.tokenize(TEXTS)]
-    assert min(lens) <= 4 and max(lens) >= 250  # very different lengths
+    assert min(lens) <= 4 and 200 <= max(lens) <= 256  # very different lengths, all in the limit
     alone = [inv.embed(t)[0] for t in TEXTS]
     for size, order in _orders():
         got = _batched(inv, order, size)
@@ -98,7 +98,7 @@ def test_forward_grouping_does_not_change_bits(inv):
 
 
 def test_default_model_is_minilm_mean_pooled_and_normalized(inv):
-    assert (inv.pooling, inv.normalize, inv.max_len) == ("mean", True, 512)
+    assert (inv.pooling, inv.normalize, inv.max_len) == ("mean", True, 256)  # max_seq_length
     v = torch.tensor(inv.embed(["a sentence", "another one"]))
     assert v.shape == (2, 384) and torch.allclose(v.norm(dim=1), torch.ones(2))
     outs = inv.embed_outputs("hello world")
@@ -174,13 +174,16 @@ def test_bad_input_names_the_problem(inv, bad, words):
 
 def test_over_the_limit_raises_unless_truncation_is_asked(inv):
     long = " ".join(["word"] * 600)
-    with pytest.raises(ValueError, match="limit of 512 tokens"):
+    with pytest.raises(ValueError, match="limit of 256 tokens"):
         inv.embed(["short", long])
     out = inv.embed_outputs([long], truncate=True)[0]
     ids = inv.tokenize(long, truncate=True)[0]
-    assert out.num_tokens == 512 and ids[0] == 101 and ids[-1] == 102
+    assert out.num_tokens == 256 and ids[0] == 101 and ids[-1] == 102
     assert out.embedding == inv.embed([ids])[0]
-    assert inv.embed([list(range(1000, 1600))], truncate=True) == inv.embed([list(range(1000, 1512))])
+    assert inv.embed([list(range(1000, 1600))], truncate=True) == inv.embed([list(range(1000, 1256))])
+    assert inv.tokenize(long, truncate=10)[0] == ids[:9] + [102]
+    with pytest.raises(ValueError, match="truncate must be"):
+        inv.embed(long, truncate=257)
 
 
 def test_llm_embed_wiring(inv):

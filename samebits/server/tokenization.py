@@ -1,0 +1,132 @@
+"""vLLM's tokenizer endpoints, on by default (what lm-eval's remote tokenizer backend uses):
+``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` and ``GET /version``.
+
+As vLLM, they live outside ``/v1`` and are not behind ``--api-key``; ``model`` is optional. A
+prompt's special-token text (``<|im_end|>``) maps to its id; ``add_special_tokens`` decides only
+what the tokenizer adds around the text (default true for ``prompt``, false for ``messages``,
+whose chat template places them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, model_validator
+
+import samebits
+from samebits.server.errors import APIError
+from samebits.server.protocol import ChatMessage, _Request
+from samebits.server.serving import ServingContext
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for prompt, false for messages
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
+    tok = _tokenizer(ctx, req.model)
+    if req.messages is not None:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        special = bool(req.add_special_tokens)
+    else:
+        text, special = req.prompt, req.add_special_tokens is not False
+    ids = tok.encode(text, add_special_tokens=special)
+    strs = [tok.id_to_piece(t) or "" for t in ids] if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    tok = _tokenizer(ctx, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise APIError(400, f"tokens: {bad[0]} is not a token id of this model (0 to "
+                       f"{tok.vocab_size - 1})", param="tokens")
+    return DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
+
+
+def tokenizer_info(ctx: ServingContext) -> dict[str, Any]:
+    """tokenizer_config.json as vLLM serves it: special tokens as their text, file paths
+    dropped, ``tokenizer_class``, ``chat_template``, and eos/bos/pad tokens always present."""
+    tok = _tokenizer(ctx, None)
+    info = {k: _plain(v) for k, v in tok.config.items() if k not in ("vocab_file", "merges_file")}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    info.update(eos_token=tok.eos_token, bos_token=tok.bos_token, pad_token=tok.pad_token,
+                chat_template=tok.chat_template, model_max_length=ctx.max_model_len)
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """An AddedToken-like {"content": ...} becomes its text (as vLLM serialises them)."""
+    if isinstance(value, dict):
+        if "content" in value and isinstance(value["content"], str):
+            return value["content"]
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tokenizer(ctx: ServingContext, model: str | None):
+    ctx.check_model(model)
+    if ctx.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer")
+    return ctx.tokenizer
+
+
+def router(served: Any, parse: Any) -> APIRouter:
+    """The four routes over the served generation model (``served.for_generation``)."""
+    r = APIRouter()
+
+    @r.post("/tokenize")
+    async def tokenize_route(request: Request) -> TokenizeResponse:
+        req = await parse(request, TokenizeRequest)
+        return tokenize(served.for_generation(req.model, "tokenize"), req)
+
+    @r.post("/detokenize")
+    async def detokenize_route(request: Request) -> DetokenizeResponse:
+        req = await parse(request, DetokenizeRequest)
+        return detokenize(served.for_generation(req.model, "detokenize"), req)
+
+    @r.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return tokenizer_info(served.for_generation(None, "tokenizer_info"))
+
+    @r.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": samebits.__version__}
+
+    return r
