@@ -56,7 +56,7 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     blocks = -(-n // PACK_N)
     if blocks * PACK_N != n:
         w = torch.cat([w, w.new_zeros(blocks * PACK_N - n, k)])
-    return w.view(blocks, PACK_N, k).transpose(1, 2).contiguous()
+    return w.reshape(blocks, PACK_N, k).transpose(1, 2).contiguous()
 
 
 def packed(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
