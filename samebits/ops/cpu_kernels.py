@@ -80,6 +80,13 @@ def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.samebits_cpu.linear(x, wp, n)
 
 
+def set_vectorized(on: bool) -> bool:
+    """Let the kernels use AVX2 (default) or only their scalar paths; returns the previous setting.
+    Both give the same bits (for tests)."""
+    load()
+    return torch.ops.samebits_cpu.set_vectorized(on)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, q_seq: torch.Tensor, q_nkeys: torch.Tensor,
               scale: float, split: int) -> torch.Tensor:

@@ -63,3 +63,23 @@ def test_cpu_kernel_constants_enter_only_the_cpu_fingerprint(monkeypatch) -> Non
     monkeypatch.setattr(reference, "TILE_M", 2 * reference.TILE_M)
     assert fingerprint("digest", torch.float32, cfg, "triton-cuda-kb128") == cuda
     assert cuda != fingerprint("digest", torch.float32, cfg, INV.name)
+
+
+def test_avx2_and_scalar_paths_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 577, generator=g), torch.randn(100, 577, generator=g)
+    q = torch.randn(10, 6, 64, generator=g)
+    k, v = torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)
+    plan = reference.SplitPlan(torch.tensor([[2, 0, 3, 1]], dtype=torch.int32),
+                               torch.zeros(10, dtype=torch.int32),
+                               torch.arange(55, 65, dtype=torch.int32))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return INV.linear(x, w), reference.split_attention(q, k, v, plan, 0.125, 16)
+    vec = run()
+    before = cpu_kernels.set_vectorized(False)
+    try:
+        scalar = run()
+    finally:
+        cpu_kernels.set_vectorized(before)
+    assert torch.equal(vec[0], scalar[0]) and torch.equal(vec[1], scalar[1])

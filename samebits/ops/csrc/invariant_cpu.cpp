@@ -28,9 +28,17 @@ namespace {
 constexpr int64_t NB = 48;  // packed output columns per weight block
 constexpr int LANES = 8;    // dot-product lanes of the attention scores
 
+bool g_vectorize = true;  // off: the scalar paths run (tests prove both give the same bits)
+
 bool has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+  return ok && g_vectorize;
+}
+
+bool set_vectorized(bool on) {
+  const bool before = g_vectorize;
+  g_vectorize = on;
+  return before;
 }
 
 // ---------------------------------------------------------------- linear
@@ -213,6 +221,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 TORCH_LIBRARY(samebits_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n) -> Tensor", &linear);
+  m.def("set_vectorized(bool on) -> bool", &set_vectorized);
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor q_seq, "
         "Tensor q_nkeys, float scale, int split) -> Tensor", &attention);
 }
