@@ -1,17 +1,42 @@
-"""samebits: reproducible LLM inference -- the same request returns the same bits at any batch size."""
+"""samebits: reproducible LLM inference -- the same request returns the same bits at any batch size.
 
-from samebits.engine.sequence import CompletionOutput, RequestOutput
-from samebits.llm import LLM
-from samebits.sampling_params import SamplingParams
-from samebits.structured_outputs import StructuredOutputsParams
+The public names load on first use (``samebits.LLM`` imports the engine), so ``import samebits``
+and light submodules (``samebits.env``, ``samebits.config``) stay cheap.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
            "batch_invariant"]
 
+_LAZY = {
+    "LLM": "samebits.llm",
+    "CompletionOutput": "samebits.engine.sequence",
+    "RequestOutput": "samebits.engine.sequence",
+    "SamplingParams": "samebits.sampling_params",
+    "StructuredOutputsParams": "samebits.structured_outputs",
+    "batch_invariant": "samebits.ops.override",
+}
+
+if TYPE_CHECKING:
+    from samebits.engine.sequence import CompletionOutput, RequestOutput
+    from samebits.llm import LLM
+    from samebits.ops.override import batch_invariant
+    from samebits.sampling_params import SamplingParams
+    from samebits.structured_outputs import StructuredOutputsParams
+
 
 def __getattr__(name: str):
-    if name == "batch_invariant":
-        from samebits.ops.override import batch_invariant
-        return batch_invariant
-    raise AttributeError(name)
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'samebits' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,6 +1,6 @@
 """End-to-end throughput: the invariant engine against the standard one, same run, JSON lines.
 
-    samebits bench                                 # default model on CPU
+    samebits bench                                 # CPU: invariant, standard, transformers
     python benchmarks/e2e.py --model benchmarks/configs/qwen3-8b.json --load-format dummy \
         --device cuda --num-prompts 64 --prompt-len 1024 --max-tokens 256
 
@@ -73,8 +73,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no progress bars on stderr")
 
 
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16],
+                   help="CPU: batch sizes of the side-by-side run")
+    p.add_argument("--repeats", type=int, default=3, help="CPU: interleaved runs per engine")
+    p.add_argument("--threads", type=int, default=2, help="CPU: torch threads")
+
+
 def run_both(args: argparse.Namespace) -> None:
-    """Standard, then invariant (JSON line each), then the ratio line and a summary on stderr."""
+    """On CPU the side-by-side run (samebits.bench_cpu); else standard, then invariant (JSON
+    line each), then the ratio line and a summary on stderr."""
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        from samebits import bench_cpu
+        bench_cpu.side_by_side(args)
+        return
     results = {}
     for invariant in tqdm((False, True), desc="modes", unit="mode", disable=not args.progress):
         r = run(args, invariant)

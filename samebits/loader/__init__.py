@@ -86,9 +86,8 @@ def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.devi
 
 
 def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: str) -> str:
-    """``fp_`` + 16 hex: everything that decides the bits of a token's KV and logits."""
-    from samebits.ops import reference
+    """``fp_`` + 16 hex: everything that decides the bits of a token's KV and logits. A backend's
+    own constants (the CPU tile and kernel arithmetic, the Triton block sizes) arrive in its name."""
     parts = [digest, str(dtype), ENGINE_VERSION, backend, f"split={config.attention_split_size}",
-             f"tile_m={reference.TILE_M}", f"tile_q={reference.TILE_Q}",
              f"invariant={config.batch_invariant}"]
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -6,35 +6,32 @@ sit (packed back to back, or padded to a common length as sentence-transformers 
 
 Invariant guarantee (``InvariantEncoderOps``): the bits of every output -- a token's hidden state, a
 sequence's pooled vector -- depend only on that sequence's own tokens, the weights and the constants
-``TILE_M``, ``TILE_Q`` and ``split_size``; never on the other sequences, their number, order or
-lengths, nor on where the sequence sits in the flat batch. How:
+``TILE_M``, the CPU kernels' arithmetic and ``split_size``; never on the other sequences, their
+number, order or lengths, nor on where the sequence sits in the flat batch. How:
 
-- ``linear`` is the backend's (CPU: one identical [TILE_M, K] @ [K, N] mm per 16-row tile).
+- ``linear`` is the backend's (CPU: each output element one ascending-K fma chain).
 - ``layer_norm`` and ``normalize`` run row-wise on fixed [TILE_M, H] tiles.
-- ``attention``: a query tile holds up to ``TILE_Q`` queries of one sequence; its keys (all of its
-  sequence's tokens) are reduced in splits of ``split_size`` keys, each split one fixed-shape
-  [TILE_Q, D] @ [D, split_size] product per head, splits merged in ascending order. Keys past the
-  sequence's end are read from a zero row and masked to -inf, so they add exact zeros.
+- ``attention`` is the decoder's CPU split attention (``reference.split_attention``) run without a
+  causal mask: every query of a sequence reads all of its sequence's keys, in splits of
+  ``split_size`` keys merged in ascending order; padding rows read none and come out zero.
 - ``pool`` (mean) sums a sequence's rows in tiles of ``TILE_M`` by a fixed pairwise tree of
   elementwise adds, then adds the tile sums in ascending order; only the sequence's own rows are read
   (the tail of the last tile is exact zeros, placed by the sequence's own length).
 
-On CUDA the same fixed-shape arithmetic runs through torch's CUDA kernels (linear through the
-Triton backend): bitwise invariant in float32 on an H100 in benchmarks/embedding_drift.py, but not
-yet covered by a GPU test.
+On CUDA the attention is ``encoder_cuda.attention`` (fixed-shape torch products, linear through the
+Triton backend): bitwise invariant in float32 on an H100 in benchmarks/embedding_drift.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from samebits.ops.backend import OpBackend, get_backend
-from samebits.ops.reference import TILE_Q, _bmm
+from samebits.ops.reference import SplitPlan, split_attention
 from samebits.ops.tiles import TILE_M, by_tiles
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
@@ -72,76 +69,22 @@ class SeqLayout:
         return len(self.lens)
 
 
-@dataclass(frozen=True)
-class _AttentionPlan:
-    """Index tensors shared by every layer. Tiles are sorted by split count (most first), so the
-    tiles that reduce split s are the first ``active[s]``."""
-
-    q_rows: torch.Tensor  # [n_tiles, TILE_Q] flat query row of each tile row (pad rows repeat)
-    valid: torch.Tensor  # [n_tiles * TILE_Q] bool: tile rows that are real queries
-    kv_rows: torch.Tensor  # [n_tiles, n_splits * split] flat key row (past the end -> zero row)
-    kv_valid: torch.Tensor  # [n_tiles, n_splits * split] bool
-    active: tuple[int, ...]
-
-
-def _attention_plan(layout: SeqLayout, split: int, device: torch.device) -> _AttentionPlan:
-    tiles = []  # (sequence, query rows, real rows)
+def _attention_plan(layout: SeqLayout) -> SplitPlan:
+    """Row r of sequence b reads all of b's keys (none for padding rows); the flat rows serve as a
+    cache of one-token blocks, sequence b's key j in row ``starts[b] + j``."""
+    width = max(layout.lens)
+    j = torch.arange(width)
+    starts, lens = torch.tensor(layout.starts), torch.tensor(layout.lens)
+    tables = torch.where(j[None, :] < lens[:, None], starts[:, None] + j[None, :], 0)
+    q_seq = torch.zeros(layout.num_rows, dtype=torch.int32)
+    q_nkeys = torch.zeros(layout.num_rows, dtype=torch.int32)
     for b, (start, n) in enumerate(zip(layout.starts, layout.lens, strict=True)):
-        for t0 in range(0, n, TILE_Q):
-            real = min(TILE_Q, n - t0)
-            tiles.append((b, [start + t0 + min(i, real - 1) for i in range(TILE_Q)], real))
-    n_splits = [-(-layout.lens[t[0]] // split) for t in tiles]
-    order = sorted(range(len(tiles)), key=lambda i: -n_splits[i])  # stable
-    tiles, n_splits = [tiles[i] for i in order], [n_splits[i] for i in order]
-    key = torch.arange(n_splits[0] * split)
-    seq = torch.tensor([t[0] for t in tiles], dtype=torch.long)
-    lens = torch.tensor(layout.lens, dtype=torch.long)[seq]
-    starts = torch.tensor(layout.starts, dtype=torch.long)[seq]
-    kv_valid = key[None, :] < lens[:, None]
-    kv_rows = torch.where(kv_valid, starts[:, None] + key[None, :], layout.num_rows)
-    return _AttentionPlan(
-        q_rows=torch.tensor([t[1] for t in tiles], dtype=torch.long, device=device),
-        valid=torch.tensor([i < t[2] for t in tiles for i in range(TILE_Q)], device=device),
-        kv_rows=kv_rows.to(device), kv_valid=kv_valid.to(device),
-        active=tuple(sum(1 for n in n_splits if n > s) for s in range(n_splits[0])))
+        q_seq[start:start + n], q_nkeys[start:start + n] = b, n
+    return SplitPlan(tables.to(torch.int32).contiguous(), q_seq, q_nkeys)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-
-
-def _head_major(x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, heads, D] -> [heads, T + 1, D (+1)]: a zero row appended (the key past every sequence's
-    end), and ``extra`` (ones: P @ 1 rides in the P @ V product) as a last column."""
-    t, heads, d = x.shape
-    out = x.new_zeros(heads, t + 1, d + (extra is not None))
-    out[:, :t, :d] = x.transpose(0, 1)
-    if extra is not None:
-        out[..., d] = extra
-    return out
-
-
-def _gather(xh: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows [n, r] of every head of xh [heads, R, W] -> [n, heads, r, W], contiguous, one copy."""
-    heads, num_rows, width = xh.shape
-    h = torch.arange(heads, device=xh.device)[None, :, None] * num_rows
-    flat = (h + rows[:, None, :]).reshape(-1)
-    return xh.view(heads * num_rows, width).index_select(0, flat).view(*rows.shape[:1], heads, -1, width)
-
-
-def _split(qt: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: _AttentionPlan, n: int,
-           s: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [s*split, (s+1)*split) for the first ``n`` tiles: (row max, [P @ V | P @ 1])."""
-    _, heads, rows, d = qt.shape
-    idx = plan.kv_rows[:n, s * split:(s + 1) * split]  # [n, split]
-    k, v1 = _gather(kh, idx), _gather(vh, idx)  # [n, heads, split, D], [n, heads, split, D + 1]
-    scores = _bmm(qt.reshape(n * heads, rows, d), k.view(n * heads, split, d).transpose(1, 2))
-    scores = scores.float().view(n, heads, rows, split)
-    scores.masked_fill_(~plan.kv_valid[:n, None, None, s * split:(s + 1) * split], -math.inf)
-    m_s = scores.amax(-1, keepdim=True)  # every split a tile reduces holds >= 1 real key
-    p = scores.sub_(m_s).exp_()
-    acc_s = _bmm(p.to(v1.dtype).view(n * heads, rows, split), v1.view(n * heads, split, d + 1))
-    return m_s, acc_s.float().view(n, heads, rows, d + 1)
 
 
 def _tile_tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -160,10 +103,14 @@ class InvariantEncoderOps:
     def __init__(self, backend: OpBackend, split_size: int = DEFAULT_SPLIT_SIZE) -> None:
         self.linear = backend.linear
         self.split_size = split_size
-        self.name = f"{backend.name}+encoder(split={split_size},tile={TILE_M},tile_q={TILE_Q})"
+        self.name = f"{backend.name}+encoder(split={split_size},tile={TILE_M})"
 
     def plan(self, layout: SeqLayout, device: torch.device) -> SeqLayout:
-        return dataclasses.replace(layout, plan=_attention_plan(layout, self.split_size, device))
+        if device.type != "cpu":
+            from samebits.ops import encoder_cuda
+            return dataclasses.replace(layout, plan=encoder_cuda._attention_plan(
+                layout, self.split_size, device))
+        return dataclasses.replace(layout, plan=_attention_plan(layout))
 
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
                    ) -> torch.Tensor:
@@ -172,23 +119,13 @@ class InvariantEncoderOps:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
                   scale: float) -> torch.Tensor:
         """Bidirectional attention of q, k, v [T, heads, D] within each sequence -> [T, heads, D]."""
-        plan = layout.plan if layout.plan is not None else _attention_plan(layout, self.split_size,
-                                                                            q.device)
-        split, (_, heads, d) = self.split_size, q.shape
-        n_tiles = plan.q_rows.shape[0]
-        qt = _gather(_head_major(q * scale), plan.q_rows)  # [n_tiles, heads, TILE_Q, D]
-        kh, vh = _head_major(k), _head_major(v, extra=q.new_ones(()))
-        m = q.new_full((n_tiles, heads, TILE_Q, 1), -math.inf, dtype=torch.float32)
-        acc = q.new_zeros((n_tiles, heads, TILE_Q, d + 1), dtype=torch.float32)
-        for s, n in enumerate(plan.active):
-            m_s, acc_s = _split(qt[:n], kh, vh, plan, n, s, split)
-            m_new = torch.maximum(m[:n], m_s)
-            acc[:n] = acc[:n] * torch.exp(m[:n] - m_new) + acc_s * torch.exp(m_s - m_new)
-            m[:n] = m_new
-        out = (acc[..., :d] / acc[..., d:]).to(q.dtype).permute(0, 2, 1, 3).reshape(-1, heads, d)
-        result = q.new_zeros(q.shape)
-        result[plan.q_rows.view(-1)[plan.valid]] = out[plan.valid]
-        return result
+        if q.device.type != "cpu":
+            from samebits.ops import encoder_cuda
+            return encoder_cuda.attention(q, k, v, layout, scale, self.split_size)
+        plan = layout.plan if isinstance(layout.plan, SplitPlan) else _attention_plan(layout)
+        t, heads, d = k.shape
+        return split_attention(q, k.reshape(t, 1, heads, d), v.reshape(t, 1, heads, d), plan, scale,
+                               self.split_size)
 
     def pool(self, x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
         """[T, H] -> [B, H]: mean / first (CLS) / last token of each sequence."""

@@ -31,5 +31,7 @@ def by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     if m == 0:
         return fn(x2).reshape(*lead, -1)
     xp = pad_rows(x2)
+    if xp.shape[0] == TILE_M:  # one tile (every decode step up to 16 sequences): no concatenation
+        return fn(xp)[:m].reshape(*lead, -1)
     out = torch.cat([fn(xp[i:i + TILE_M]) for i in range(0, xp.shape[0], TILE_M)])
     return out[:m].reshape(*lead, out.shape[-1])

@@ -1,0 +1,97 @@
+"""The invariant CPU kernels (``csrc/invariant_cpu.cpp``), compiled on first use and cached.
+
+The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extension
+cache, under a name carrying the source's hash: a changed source builds anew, an unchanged one
+loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError`` naming the cause;
+there is no silent fallback (another arithmetic would give other bits).
+
+``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC`` names
+it for the CPU fingerprint, so any change to that arithmetic must change this string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
+PACK_N = 48  # output columns per packed weight block (the C++ NB)
+ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|split-merge-fma"
+_lock = threading.Lock()
+_loaded = False
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be built (no compiler, no ninja, a compile error)."""
+
+
+def load() -> None:
+    """Build (once per source version) and load the kernels into ``torch.ops.samebits_cpu``."""
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        try:
+            from torch.utils import cpp_extension
+            cpp_extension.load(name=f"samebits_cpu_{digest}", sources=[str(SOURCE)],
+                               extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False,
+                               verbose=False)
+        except Exception as e:  # noqa: BLE001 -- any build failure is reported the same way
+            raise KernelBuildError(
+                f"could not build samebits' invariant CPU kernels ({SOURCE.name}): {e}. They need "
+                "g++ and ninja (pip install ninja); the standard mode (batch_invariant=False) runs "
+                "without them.") from e
+        _loaded = True
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [ceil(N/48), K, 48] (zero-padded columns), the layout ``linear`` streams."""
+    n, k = w.shape
+    blocks = -(-n // PACK_N)
+    if blocks * PACK_N != n:
+        w = torch.cat([w, w.new_zeros(blocks * PACK_N - n, k)])
+    return w.reshape(blocks, PACK_N, k).transpose(1, 2).contiguous()
+
+
+def packed(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The packed copy of ``w`` in ``dtype``, kept on the tensor while its storage and version
+    (in-place updates) stay the same."""
+    try:
+        key = (w.data_ptr(), w._version, dtype)
+    except RuntimeError:  # an inference tensor has no version counter: pack afresh
+        return pack_weight(w.to(dtype))
+    cached = getattr(w, "_samebits_packed", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    wp = pack_weight(w.to(dtype))
+    w._samebits_packed = (key, wp)
+    return wp
+
+
+def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain."""
+    load()
+    return torch.ops.samebits_cpu.linear(x, wp, n)
+
+
+def set_vectorized(on: bool) -> bool:
+    """Let the kernels use AVX2 (default) or only their scalar paths; returns the previous setting.
+    Both give the same bits (for tests)."""
+    load()
+    return torch.ops.samebits_cpu.set_vectorized(on)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, q_seq: torch.Tensor, q_nkeys: torch.Tensor,
+              scale: float, split: int) -> torch.Tensor:
+    """q [T, Hq, D]; caches [blocks, block_size, Hkv, D]; query t reads keys [0, q_nkeys[t]) of
+    sequence q_seq[t] (block_tables [B, max_blocks] int32) in splits of ``split``."""
+    load()
+    return torch.ops.samebits_cpu.attention(q, k_cache, v_cache, block_tables, q_seq, q_nkeys,
+                                            scale, split)

@@ -1,0 +1,85 @@
+"""The invariant CPU kernels (samebits/ops/csrc): bits independent of the thread count, packed
+weights that follow in-place updates, and CPU constants in the CPU fingerprint only."""
+
+from __future__ import annotations
+
+import torch
+
+from samebits.config import EngineConfig
+from samebits.loader import fingerprint
+from samebits.ops import cpu_kernels, get_backend, reference
+
+INV = get_backend("cpu", True)
+
+
+def _with_threads(n: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_bits_do_not_depend_on_the_thread_count_or_row_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(33, 576, generator=g), torch.randn(200, 576, generator=g)
+    one, two = _with_threads(1, lambda: INV.linear(x, w)), _with_threads(2, lambda: INV.linear(x, w))
+    assert torch.equal(one, two)
+    assert all(torch.equal(INV.linear(x[i:i + 1], w), one[i:i + 1]) for i in range(33))
+    # negative control: the stock product of one row differs from the same row among 33
+    stock = torch.nn.functional.linear
+    assert any(not torch.equal(stock(x[i:i + 1], w), stock(x, w)[i:i + 1]) for i in range(33))
+
+
+def test_linear_is_close_to_float64_and_follows_in_place_weight_updates() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 100, generator=g), torch.randn(50, 100, generator=g)
+    before = INV.linear(x, w)
+    assert (before.double() - x.double() @ w.double().t()).abs().max() < 1e-4
+    with torch.no_grad():
+        w.mul_(2)  # the packed copy kept on w must not survive this
+    assert torch.equal(INV.linear(x, w), before * 2)
+
+
+def test_attention_bits_do_not_depend_on_the_thread_count() -> None:
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(40, 6, 64, generator=g)
+    k, v = torch.randn(8, 16, 2, 64, generator=g), torch.randn(8, 16, 2, 64, generator=g)
+    plan = reference.SplitPlan(torch.tensor([[3, 1, 0, 2], [7, 6, 5, 4]], dtype=torch.int32),
+                               torch.tensor([0] * 20 + [1] * 20, dtype=torch.int32),
+                               torch.tensor(list(range(45, 65)) + list(range(1, 21)),
+                                            dtype=torch.int32))
+
+    def run() -> torch.Tensor:
+        return reference.split_attention(q, k, v, plan, 0.125, 16)
+    assert torch.equal(_with_threads(1, run), _with_threads(2, run))
+
+
+def test_cpu_kernel_constants_enter_only_the_cpu_fingerprint(monkeypatch) -> None:
+    assert cpu_kernels.ARITHMETIC in INV.name and f"tile_m={reference.TILE_M}" in INV.name
+    cfg = EngineConfig()
+    cuda = fingerprint("digest", torch.float32, cfg, "triton-cuda-kb128")
+    monkeypatch.setattr(reference, "TILE_M", 2 * reference.TILE_M)
+    assert fingerprint("digest", torch.float32, cfg, "triton-cuda-kb128") == cuda
+    assert cuda != fingerprint("digest", torch.float32, cfg, INV.name)
+
+
+def test_avx2_and_scalar_paths_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 577, generator=g), torch.randn(100, 577, generator=g)
+    q = torch.randn(10, 6, 64, generator=g)
+    k, v = torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)
+    plan = reference.SplitPlan(torch.tensor([[2, 0, 3, 1]], dtype=torch.int32),
+                               torch.zeros(10, dtype=torch.int32),
+                               torch.arange(55, 65, dtype=torch.int32))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return INV.linear(x, w), reference.split_attention(q, k, v, plan, 0.125, 16)
+    vec = run()
+    before = cpu_kernels.set_vectorized(False)
+    try:
+        scalar = run()
+    finally:
+        cpu_kernels.set_vectorized(before)
+    assert torch.equal(vec[0], scalar[0]) and torch.equal(vec[1], scalar[1])
