@@ -38,8 +38,9 @@ class EngineStats:
 
 class LLMEngine:
     """The engine's interface: ``add_request``, ``abort``, ``step`` (the sequences that made
-    progress; finished ones are forgotten by the engine once returned), ``output`` (a sequence's
-    ``RequestOutput``), ``has_unfinished`` and ``stats``. Not thread-safe: one thread drives it."""
+    progress; finished ones are forgotten by the engine once returned), ``completion`` (a
+    sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats`` and
+    ``update_weights``. Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config

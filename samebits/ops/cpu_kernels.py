@@ -74,6 +74,14 @@ def packed(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return wp
 
 
+def forget_packed(module: torch.nn.Module) -> None:
+    """Drop the packed copies kept on ``module``'s parameters: a copy through ``param.data`` (the
+    weight loader's) changes the values without bumping the version ``packed`` keys on."""
+    for p in module.parameters():
+        if hasattr(p, "_samebits_packed"):
+            del p._samebits_packed
+
+
 def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain."""
     load()

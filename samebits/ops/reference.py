@@ -108,3 +108,8 @@ class ReferenceBackend:
     @staticmethod
     def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
         return dataclasses.replace(meta, plan=_plan(meta))
+
+    @staticmethod
+    def weights_updated(model: torch.nn.Module) -> None:
+        """After an in-place weight update: no packed copy of an old weight is used again."""
+        cpu_kernels.forget_packed(model)

@@ -32,7 +32,7 @@ from samebits import env
 from samebits.config import EngineConfig
 from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
-from samebits.server import tokenization
+from samebits.server import tokenization, weight_updates
 from samebits.server.async_engine import AsyncEngine
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
@@ -104,7 +104,6 @@ def build_app(engine: LLMEngine | None, model_name: str | None,
     app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
     router = _v1_router(served, _keys(api_key))
     if enable_weight_updates and ctx is not None:
-        from samebits.server import weight_updates
         weight_updates.add_route(router, ctx, metrics, _parse)
     app.include_router(router)
     app.include_router(tokenization.router(served, _parse))
@@ -120,6 +119,9 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents f
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/tokenize": tokenization.TokenizeRequest,
+    "/detokenize": tokenization.DetokenizeRequest,
+    "/v1/update_weights": weight_updates.UpdateWeightsRequest,
 }
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import CompletionOutput, Sequence
+from samebits.engine.sequence import CompletionOutput, Sequence, SequenceStatus
 from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
@@ -58,6 +58,7 @@ class RequestGroup:
 class _Tracked:
     group: RequestGroup
     index: int
+    seq: Sequence
     seen: int = 0  # tokens counted in the metrics
     sent: int = 0  # tokens delivered to the caller
     last_token: float = 0.0
@@ -243,7 +244,7 @@ class AsyncEngine:
         group.cached_tokens = [0] * len(seqs)
         group.prompt_logprobs = [None] * len(seqs)
         for i, seq in enumerate(seqs):
-            self._tracked[seq.request_id] = _Tracked(group, i, queued=True)
+            self._tracked[seq.request_id] = _Tracked(group, i, seq, queued=True)
             self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         cmd.done.set_result(None)
 
@@ -300,9 +301,8 @@ class AsyncEngine:
 
     def _mark_running(self) -> None:
         """Requests the scheduler has taken in leave the queue count."""
-        for seq in self.engine.scheduler.running:
-            t = self._tracked.get(seq.request_id)
-            if t is not None and t.queued:
+        for t in self._tracked.values():
+            if t.queued and t.seq.status is not SequenceStatus.WAITING:
                 t.queued = False
                 self._release(1)
 

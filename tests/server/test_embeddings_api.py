@@ -233,8 +233,8 @@ def test_bad_input_gets_openai_error(embed_server, body, status, param):
 def test_server_survives_bad_input_and_counts_it(embed_server):
     before = embed_server.metric("samebits_embedding_requests_total", status="400")
     for _, body, _, _ in BAD:
-        httpx.post(f"{embed_server.url}/v1/embeddings", content=body,
-                   headers=embed_server.headers, timeout=60)
+        httpx.post(f"{embed_server.url}/v1/embeddings", content=body, timeout=60,
+                   headers={**embed_server.headers, "Content-Type": "application/json"})
     assert httpx.get(f"{embed_server.url}/health", timeout=30).status_code == 200
     out = embed_server.client().embeddings.create(model=EMBED, input="still here")
     assert len(out.data[0].embedding) == 384

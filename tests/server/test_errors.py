@@ -96,7 +96,7 @@ def test_server_survives_bad_input_and_frees_blocks(server):
 def test_openai_client_sees_bad_request(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=USER)

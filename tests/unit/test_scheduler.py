@@ -274,13 +274,13 @@ def _bare_engine(sched: Scheduler):
 def _fake_step_result(batch: ScheduledBatch):
     """What the runner returns, with 'logprob of token p+1' faked as float(p + 1) and a sampled
     token 7 (logprob -1.0) for each generating sequence whose prefill completes."""
-    from samebits.engine.runner import StepResult
+    from samebits.engine.runner import ScoredSpan, StepResult
     result = StepResult([], [], [], [], [])
     for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start = s.num_computed_tokens
         if s.score_only:
             m = min(n, s.num_tokens - 1 - start)
-            result.score_logprobs.append([float(p + 1) for p in range(start, start + m)])
+            result.scored.append(ScoredSpan([float(p + 1) for p in range(start, start + m)], [], []))
         elif start + n == s.num_tokens:
             result.sampled.append(s)
             result.tokens.append(7)
