@@ -33,7 +33,7 @@ def test_bitwise_equal_with_chunked_prefill_at_odd_boundaries_and_prefix_hits(re
     assert _mismatches([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], want) == []
 
 
-@pytest.mark.slow  # the default CPU chunk (128) already runs in every test here; this is 16
+@pytest.mark.slow  # the default CPU chunk (128 tokens) runs in every test here; this one uses 7
 def test_bitwise_equal_with_a_small_per_step_prefill_chunk(reference):
     reqs, want = reference
     llm = LLM(max_num_seqs=16, long_prefill_token_threshold=7)  # prefills share 7 tokens a step
