@@ -62,7 +62,7 @@ def grpo_step(llm: LLM, tl: TrainableLM, opt: torch.optim.Optimizer, step: int,
     opt.step()
     fingerprint = llm.update_weights(tl.named_weights())
     return {"step": step, "reward": float(rewards.mean()), "max_abs_logprob_diff":
-            float(diff.abs().max()), "kl": kl, "loss": float(loss), "fingerprint": fingerprint}
+            float(diff.abs().max()), "kl": kl, "loss": loss.item(), "fingerprint": fingerprint}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
