@@ -13,6 +13,7 @@ accumulator -- the same sequence whatever the tile shape, the operand layout or 
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -36,3 +37,19 @@ except ImportError:  # no triton: the interpreter tests skip themselves
     InterpreterBuilder = None
 if InterpreterBuilder is not None and os.environ.get("TRITON_INTERPRET") == "1":
     InterpreterBuilder.create_dot = _ordered_dot
+
+
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A small random Llama (GQA, tied head) saved by transformers: an HF directory LLM loads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval()
+    out = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(out)
+    return out

@@ -19,18 +19,11 @@ from samebits.server.app import build_app  # noqa: E402
 
 KEY = "k-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-           tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
-    out = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(out)
-    return out
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def _client(model_dir, enable: bool) -> TestClient:

@@ -16,19 +16,12 @@ transformers = pytest.importorskip("transformers")
 from samebits import LLM, SamplingParams  # noqa: E402
 from samebits.train import TrainableLM  # noqa: E402
 
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-           tie_word_embeddings=True)
 PROMPTS = [[1 + (7 * i + j) % 250 for j in range(3 + 5 * i)] for i in range(8)]  # 3..38 tokens
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
-    out = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(out)
-    return out
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def _rollout(llm: LLM):
