@@ -4,24 +4,26 @@ vector-Jacobian product of a stock reference formula at the same inputs.
 The invariant kernels (tiled CPU GEMMs, Triton) have no autograd. ``DifferentiableOps(inner)``
 wraps any op backend: each op runs ``inner``'s kernel under ``no_grad`` in the forward (so its
 output is bitwise what the engine computes) and, in the backward, recomputes a stock PyTorch
-formula of the same math with autograd and returns its gradients. The backward is therefore not
-batch-invariant, but it is deterministic (fixed shapes, no atomics: the same step gives the same
-gradient bits), and it is the exact gradient of the reference formula, which agrees with the
-invariant forward to float rounding.
+formula of the same math with autograd and returns its gradients (attention), or applies the
+formula's derivative directly: ``linear`` (``g @ w``, ``g^T @ x``), softmax / log_softmax (aten's
+backward of the saved output), RMSNorm (the reference's exact gradient in closed form, fp32).
+The backward is therefore not batch-invariant, but it is deterministic (fixed shapes, no
+atomics: the same step gives the same gradient bits), and it is the exact gradient of the
+reference formula, which agrees with the invariant forward to float rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from samebits.ops.backend import AttentionMetadata, OpBackend
 
-__all__ = ["DifferentiableOps", "invariant_apply", "attention_reference"]
+__all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "rms_norm_reference"]
 
 
 class _Invariant(torch.autograd.Function):
@@ -52,29 +54,143 @@ def invariant_apply(fwd: Callable, ref: Callable, *xs: torch.Tensor | None) -> t
     return fwd(*xs)
 
 
-def _rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+ATTENTION_CHUNK_ELEMENTS = 1 << 27  # score elements per padded group of the attention backward
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_plan(lens: tuple[int, ...], qsl: tuple[int, ...], hq: int, device: torch.device
+                    ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor | None]:
+    """The padded groups of ``attention_reference`` as device index tensors, built once per batch
+    layout (every layer's backward reuses them: no host-to-device copy, no sync, per call)."""
+    nq = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
+    groups, group = [], []
+    for b in sorted(range(len(lens)), key=lambda i: (lens[i], nq[i])):
+        grown = group + [b]
+        if group and len(grown) * hq * max(nq[i] for i in grown) * lens[b] > ATTENTION_CHUNK_ELEMENTS:
+            groups.append(group)
+            grown = [b]
+        group = grown
+    groups.append(group)
+    plans, order = [], []
+    for group in groups:
+        n_q, n_k = max(nq[b] for b in group), max(lens[b] for b in group)
+        rows = [[qsl[b] + min(i, nq[b] - 1) for i in range(n_q)] for b in group]
+        qpos = [[lens[b] - nq[b] + min(i, nq[b] - 1) for i in range(n_q)] for b in group]
+        keep = [(j, i) for j, b in enumerate(group) for i in range(nq[b])]
+        host = [torch.tensor(group), torch.arange(n_k), torch.tensor(rows), torch.tensor(qpos),
+                torch.tensor([j for j, _ in keep]), torch.tensor([i for _, i in keep])]
+        plans.append(tuple(t.to(device) for t in host))
+        order += [qsl[b] + i for b in group for i in range(nq[b])]
+    inverse = None
+    if order != list(range(len(order))):
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        inverse = inverse.to(device)
+    return plans, inverse
+
+
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention over the paged cache in plain fp32 matmuls and softmax, one sequence at
-    a time (the backward's formula; deterministic: fixed shapes, each key slot read once)."""
-    hq, hkv, bs = q.shape[1], k_cache.shape[2], meta.block_size
+    """Causal attention over the paged cache by plain matmuls and softmax (the backward's formula).
+
+    Hugging Face's eager attention, op for op: scores ``(q @ k^T) * scale`` and ``p @ v`` in the
+    input dtype, the softmax in fp32, its probabilities cast back to the input dtype (fp32 inputs:
+    fp32 throughout). Sequences run in padded groups (sorted by length; at most
+    ``ATTENTION_CHUNK_ELEMENTS`` score elements a group, a longer sequence alone), masked keys
+    and padded query rows never reach an output. Deterministic: fixed shapes for a given batch,
+    each key slot gathered once per group, no atomics.
+    """
+    hq, hkv, bs, d = q.shape[1], k_cache.shape[2], meta.block_size, q.shape[2]
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    tables, qsl, outs = meta.block_tables.long(), meta.query_start_loc_list, []
-    for b, seq_len in enumerate(meta.seq_lens_list):
-        n = qsl[b + 1] - qsl[b]
-        pos = torch.arange(seq_len, device=q.device)
-        slots = tables[b, pos // bs] * bs + pos % bs
-        k = k_flat[slots].float().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
-        v = v_flat[slots].float().repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[qsl[b]:qsl[b + 1]].float() * scale, k)
-        causal = pos[None, :] <= (seq_len - n + torch.arange(n, device=q.device))[:, None]
-        p = torch.softmax(s.masked_fill(~causal, -math.inf), dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", p, v).to(q.dtype))
-    return torch.cat(outs)
+    plans, inverse = _reference_plan(meta.seq_lens_list, meta.query_start_loc_list, hq, q.device)
+    tables, outs = meta.block_tables.long(), []
+    for g, kpos, rows, qpos, keep_j, keep_i in plans:
+        blocks = tables[g][:, (kpos // bs).clamp(max=tables.shape[1] - 1)]  # [G, L]
+        slots = blocks * bs + kpos % bs
+        k = k_flat[slots].repeat_interleave(hq // hkv, dim=2).permute(0, 2, 3, 1)  # [G, Hq, D, L]
+        v = v_flat[slots].repeat_interleave(hq // hkv, dim=2).transpose(1, 2)  # [G, Hq, L, D]
+        qb = q[rows].transpose(1, 2)  # [G, Hq, Q, D]; padded rows repeat the last query
+        causal = kpos[None, None, :] <= qpos[:, :, None]  # [G, Q, L]
+        s = (torch.matmul(qb, k) * scale).float()
+        p = torch.softmax(s.masked_fill(~causal[:, None], -math.inf), dim=-1).to(q.dtype)
+        o = torch.matmul(p, v).transpose(1, 2)  # [G, Q, Hq, D]
+        outs.append(o[keep_j, keep_i])
+    out = torch.cat(outs)
+    return (out if inverse is None else out[inverse]).reshape(-1, hq, d)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """forward(fwd, x, w, eps) = fwd(x, w, eps); backward = the exact gradient of
+    ``rms_norm_reference`` in closed form, in fp32 (no recompute graph)."""
+
+    @staticmethod
+    def forward(ctx, fwd: Callable, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.save_for_backward(x, w)
+        return fwd(x, w, eps=eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        h = x.float()
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        g = grad.float()
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            dn = g * w.float()
+            gx = (r * (dn - h * (r * r * (dn * h).mean(-1, keepdim=True)))).to(x.dtype)
+        if ctx.needs_input_grad[2]:
+            n = (h * r).to(x.dtype).float()
+            gw = (g * n).reshape(-1, w.shape[-1]).sum(0).to(w.dtype)
+        return None, gx, gw, None
+
+
+class _Linear(torch.autograd.Function):
+    """forward(fwd, x, w, b) = fwd(x, w, b); backward = the stock ``F.linear`` formulas
+    (``g @ w``, ``g^T @ x``, ``sum g``) without recomputing the product."""
+
+    @staticmethod
+    def forward(ctx, fwd: Callable, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return fwd(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = (g2 @ w).view(x.shape) if ctx.needs_input_grad[1] else None
+        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
+        gb = g2.sum(0) if ctx.needs_input_grad[3] else None
+        return None, gx, gw, gb
+
+
+class _RowSoftmax(torch.autograd.Function):
+    """forward(fwd, x, log) = fwd(x) over the last dim; backward = aten's own (log_)softmax
+    backward formula applied to the forward's output (no recompute)."""
+
+    @staticmethod
+    def forward(ctx, fwd: Callable, x: torch.Tensor, log: bool) -> torch.Tensor:
+        out = fwd(x)
+        ctx.log, ctx.dtype = log, x.dtype
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (out,) = ctx.saved_tensors
+        backward = (torch._log_softmax_backward_data if ctx.log
+                    else torch._softmax_backward_data)
+        return None, backward(grad, out, -1, ctx.dtype), None
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 class DifferentiableOps:
@@ -86,17 +202,24 @@ class DifferentiableOps:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                ) -> torch.Tensor:
-        return invariant_apply(self.inner.linear, F.linear, x, w, b)
+        if _needs_grad(x, w, b):
+            return _Linear.apply(self.inner.linear, x, w, b)
+        return self.inner.linear(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return invariant_apply(partial(self.inner.rms_norm, eps=eps),
-                               partial(_rms_norm_reference, eps=eps), x, w)
+        if _needs_grad(x, w):
+            return _RMSNorm.apply(self.inner.rms_norm, x, w, eps)
+        return self.inner.rms_norm(x, w, eps)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant_apply(self.inner.softmax, partial(torch.softmax, dim=-1), x)
+        if _needs_grad(x):
+            return _RowSoftmax.apply(self.inner.softmax, x, False)
+        return self.inner.softmax(x)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant_apply(self.inner.log_softmax, partial(torch.log_softmax, dim=-1), x)
+        if _needs_grad(x):
+            return _RowSoftmax.apply(self.inner.log_softmax, x, True)
+        return self.inner.log_softmax(x)
 
     def plan_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
         return self.inner.plan_attention(meta)

@@ -12,7 +12,11 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
   ``[TILE_M, count]`` tiles -- the very op the engine's RMSNorm runs, so HF's RMSNorm
   (``pow(2).mean(-1) -> rsqrt``) gives the engine's bits;
 - transformers' ``"sdpa"`` attention (its ``AttentionInterface`` registry entry, while transformers
-  is imported): the engine's paged split attention (``samebits.ops.hf_attention``).
+  is imported): the engine's paged split attention (``samebits.ops.hf_attention``);
+- on CUDA, the ``forward`` of transformers' RMSNorm modules of the decoders the engine runs
+  (``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, where their modeling
+  module is imported): the engine's Triton ``rms_norm`` kernel, one row per lane group, whose bits no
+  aten-level mean can reproduce. CPU tensors keep the stock forward (its ``mean`` is overridden).
 
 The decision: the override maps HF's ops onto the engine's arithmetic, never the reverse. The engine
 keeps one reference arithmetic per op (tiled linear, tiled stock mean / softmax / log_softmax,
@@ -20,9 +24,9 @@ fixed-split attention); under ``batch_invariant()`` a stock HF model of the engi
 (``attn_implementation="sdpa"``) runs that same arithmetic op for op, so its logits' log_softmax
 is bitwise the engine's sampled logprobs (CPU fp32 tested). Elementwise ops (embedding, RoPE,
 SiLU, residual adds, the casts) already agree. On CUDA the engine's RMSNorm is one Triton kernel,
-so there the norm needs its own route (not done here). Backward: the aten overrides sit below
-autograd, so stock derivative formulas run (their matmuls invariant too); the attention entry has
-a recompute backward (``samebits.ops.autograd``).
+so there the norm module itself is routed to it. Backward: the aten overrides sit below autograd,
+so stock derivative formulas run (their matmuls invariant too); the attention entry and the CUDA
+norm route have a recompute backward (``samebits.ops.autograd``).
 
 Guarantee: for fp32, bf16 and fp16 inputs, the bits of an output row (a row of a matrix product, a
 batch item's row of ``bmm``, a softmax row, a mean over the reduced dims) depend only on that row's
@@ -51,6 +55,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from samebits.ops.autograd import invariant_apply, rms_norm_reference
 from samebits.ops.backend import OpBackend, get_backend
 from samebits.ops.tiles import by_tiles
 
@@ -249,6 +254,51 @@ def _route_hf_attention() -> Callable[[], None]:
     return lambda: registry._global_mapping.__setitem__("sdpa", stock)
 
 
+_HF_RMS_NORMS = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RMSNorm",
+                 "qwen3": "Qwen3RMSNorm"}  # HF's formula: w * (x.float() * rsqrt(mean + eps)).to(x)
+
+
+def _engine_rms_norm(stock: Callable, module: torch.nn.Module, hidden_states: torch.Tensor
+                     ) -> torch.Tensor:
+    """HF RMSNorm ``forward`` -> the engine's kernel on CUDA (stock ``forward`` elsewhere)."""
+    w = module.weight
+    if not (hidden_states.is_cuda and _supported(hidden_states) and w.dtype in _FLOATS
+            and w.device == hidden_states.device and hidden_states.shape[-1] == w.shape[0]):
+        return stock(module, hidden_states)
+    eps = float(module.variance_epsilon)
+    with _busy():
+        return invariant_apply(functools.partial(_backend(hidden_states).rms_norm, eps=eps),
+                               functools.partial(rms_norm_reference, eps=eps), hidden_states, w)
+
+
+def _norm_forward(stock: Callable) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _engine_rms_norm(stock, self, hidden_states)
+    return forward
+
+
+def _route_hf_rms_norm() -> Callable[[], None]:
+    """Point the imported HF RMSNorm classes' ``forward`` at the engine's CUDA kernel (only when
+    CUDA exists); returns the undo."""
+    if not torch.cuda.is_available():
+        return lambda: None
+    undo = []
+    for model_type, name in _HF_RMS_NORMS.items():
+        module = sys.modules.get(f"transformers.models.{model_type}.modeling_{model_type}")
+        cls = getattr(module, name, None)
+        if cls is None:
+            continue
+        stock = cls.__dict__["forward"]
+        cls.forward = _norm_forward(stock)
+        undo.append((cls, stock))
+    return lambda: [setattr(cls, "forward", stock) for cls, stock in undo]
+
+
+def _route_hf() -> Callable[[], None]:
+    undo_attention, undo_norm = _route_hf_attention(), _route_hf_rms_norm()
+    return lambda: (undo_norm(), undo_attention())
+
+
 def is_batch_invariant_enabled() -> bool:
     """Whether a ``batch_invariant()`` block is open (in any thread)."""
     return _depth > 0
@@ -265,7 +315,7 @@ def batch_invariant() -> Iterator[None]:
     with _lock:
         if _depth == 0:
             _lib = _register()
-            _undo_hf = _route_hf_attention()
+            _undo_hf = _route_hf()
         _depth += 1
     try:
         yield
