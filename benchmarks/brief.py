@@ -7,7 +7,7 @@ import fileinput
 import json
 
 KEYS = ("prefill_gluon", "decode_gluon", "block_m", "prefill_stages", "split_size", "merge_scan",
-        "split_trans", "split_warps", "split_stages", "fused_merge", "merge_warps", "merge_stages")
+        "split_warps", "split_stages", "merge_warps", "merge_stages")
 
 
 def brief(row: dict) -> str:

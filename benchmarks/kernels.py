@@ -262,20 +262,19 @@ def bench_prefill(variants: list[dict]) -> None:
         base = _meta(tables, [n], [n], bs)
         for var in variants:
             var = dict(var)
-            block_m, flat = var.pop("block_m", None), var.pop("flat", None)
+            block_m = var.pop("block_m", None)
             split = var.pop("split_size", EngineConfig.attention_split_size)
             launch = dataclasses.replace(A.DEFAULT_LAUNCH, **var)  # from the engine's
             split_meta = dataclasses.replace(base, split_size=split)
             meta = dataclasses.replace(split_meta, plan=A.plan(split_meta, block_m=block_m,
-                                                               flat=bool(flat), launch=launch))
+                                                               launch=launch))
             out = A.attention(q, kc, vc, meta, scale)
             err = (out.float() - ref.float()).abs().max().item()
             t = us(A.attention, q, kc, vc, meta, scale)
             flops = 4 * hq * d * n * n / 2
             emit("attention_prefill", {"tokens": n, "hq": hq, "hkv": hkv, "d": d}, "bf16", t,
                  stock, max_abs_err=err, tflops=round(flops / t / 1e6, 1),
-                 launch={**dataclasses.asdict(launch), "block_m": meta.plan.block_m,
-                         "flat": meta.plan.flat},
+                 launch={**dataclasses.asdict(launch), "block_m": meta.plan.block_m},
                  split_size=split,
                  stock_by_backend_us=backends)
         del k, v, kc, vc
@@ -330,7 +329,7 @@ def main() -> None:
         if "prefill" in ops:
             bench_prefill([{"split_size": s} for s in (128, 256, 512)])
     elif "decode" in ops:
-        base = {"split_warps": 4, "split_stages": 2, "split_trans": True, "fused_merge": False}
+        base = {"split_warps": 4, "split_stages": 2}
         bench_decode([{**base, "decode_gluon": False}, {**base, "decode_gluon": True},
                       {**base, "decode_gluon": True, "merge_warps": 4},
                       {**base, "decode_gluon": True, "merge_warps": 2, "merge_stages": 24}]

@@ -60,6 +60,7 @@ def test_score_of_prompt_plus_generation_equals_generation_logprobs(reference):
 
 def test_negative_control_standard_mode_differs_with_batch_size(reference):
     reqs, _ = reference
-    alone = run_shuffled(LLM(max_num_seqs=1, batch_invariant=False), reqs, None)
-    batched = run_shuffled(LLM(max_num_seqs=32, batch_invariant=False), reqs, 7)
+    some = reqs[::4]  # a quarter of the requests alone is enough to show the variance
+    alone = run_shuffled(LLM(max_num_seqs=1, batch_invariant=False), some, None)
+    batched = run_shuffled(LLM(max_num_seqs=32, batch_invariant=False), reqs, 7)[::4]
     assert _mismatches(batched, alone) != [], "standard mode should show batch variance"

@@ -71,9 +71,9 @@ def _decode_all(cache: Paged, q: torch.Tensor, seq: int, positions: list[int], s
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 64), (16, 2, 128), (12, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("gluon", [False, True])
 @pytest.mark.parametrize("split", [128, 256])
-def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, trans: bool,
+def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, gluon: bool,
                                split: int) -> None:
     """Split 128 (the default) is one 128-key block per split; split 256 is two 128-key blocks
     with an online softmax inside the split."""
@@ -82,8 +82,8 @@ def test_decode_equals_prefill(hq: int, hkv: int, d: int, dtype: torch.dtype, tr
     q = torch.randn(n, hq, d, device="cuda").to(dtype)
     scale = d ** -0.5
     pre = A.attention(q, cache.k, cache.v, cache.meta([0], [n], [n], split), scale)
-    launch = dataclasses.replace(A.DEFAULT_LAUNCH, split_trans=trans, split_warps=4 if trans else 2,
-                                 merge_scan=trans)
+    launch = dataclasses.replace(A.DEFAULT_LAUNCH, decode_gluon=gluon,
+                                 split_warps=4 if gluon else 2, merge_scan=gluon)
     dec = _decode_all(cache, q, 0, list(range(n)), split, launch)
     bad = (pre != dec).flatten(1).any(1).nonzero().flatten().tolist()
     assert bad == [], f"positions differing: {bad[:10]}"
@@ -108,20 +108,19 @@ def test_chunked_prefill_and_schedules() -> None:
         assert torch.equal(out, pre[start:start + c]), (start, c)
         start += c
     meta = cache.meta([0], [n], [n])
-    for fused, trans, warps in ((False, False, 2), (True, False, 4), (False, True, 4),
-                                (True, True, 8)):  # split path variants
-        launch = dataclasses.replace(A.DEFAULT_LAUNCH, fused_merge=fused, split_trans=trans,
-                                     split_warps=warps, merge_scan=trans)
+    for gluon, scan, warps in ((False, False, 2), (False, True, 4), (True, False, 4),
+                               (True, True, 8)):  # split path variants
+        launch = dataclasses.replace(A.DEFAULT_LAUNCH, decode_gluon=gluon, merge_scan=scan,
+                                     split_warps=warps)
         p = A.plan(meta, min_prefill=10 ** 9, launch=launch)
         out = A.attention(q, cache.k, cache.v, dataclasses.replace(meta, plan=p), d ** -0.5)
-        assert torch.equal(out, pre), (fused, trans, warps)
+        assert torch.equal(out, pre), (gluon, scan, warps)
     for block_m in (64, 128):
-        for flat in (True, False):
-            for min_prefill in (1, 16, 10 ** 9):
-                p = A.plan(meta, block_m=block_m, min_prefill=min_prefill, flat=flat)
-                m2 = dataclasses.replace(meta, plan=p)
-                out = A.attention(q, cache.k, cache.v, m2, d ** -0.5)
-                assert torch.equal(out, pre), (block_m, flat, min_prefill)
+        for min_prefill in (1, 16, 10 ** 9):
+            p = A.plan(meta, block_m=block_m, min_prefill=min_prefill)
+            m2 = dataclasses.replace(meta, plan=p)
+            out = A.attention(q, cache.k, cache.v, m2, d ** -0.5)
+            assert torch.equal(out, pre), (block_m, min_prefill)
 
 
 def test_batch_composition_and_block_placement() -> None:

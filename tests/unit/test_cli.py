@@ -49,3 +49,15 @@ def test_generate_verbose_prints_json_on_stdout(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     info = json.loads(lines[-1])
     assert len(info["token_ids"]) <= 2 and info["system_fingerprint"].startswith("fp_")
+
+
+def test_cpu_bench_reports_decode_and_e2e_rates_of_all_three_engines(tiny_llama_dir, capsys):
+    cli_main(["bench", "--device", "cpu", "--model", str(tiny_llama_dir), "--batch-sizes", "2",
+              "--max-tokens", "3", "--repeats", "1", "--prompt-len", "4", "--threads", "1"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    engines = {x["engine"]: x for x in lines if "engine" in x}
+    assert set(engines) == {"invariant", "standard", "transformers"}
+    assert all(e["decode_tokens_per_s"] > 0 and e["e2e_tokens_per_s"] > 0 for e in engines.values())
+    ratios = lines[-1]
+    assert {"decode_invariant_over_standard", "decode_invariant_over_transformers",
+            "e2e_invariant_over_transformers"} <= set(ratios)

@@ -172,16 +172,15 @@ def test_attention_chunks_schedules_batch_and_blocks() -> None:
         start += c
     meta = cache.meta([2, 0, 1], [lens[2], lens[0], lens[1]], [q_lens[2], q_lens[0], q_lens[1]])
     batch = torch.cat([qs[2], qs[0], qs[1]])
-    for kwargs, fused, trans in ((dict(block_m=16, min_prefill=1), True, False),
-                                 (dict(block_m=32, min_prefill=10 ** 9), True, True),
-                                 (dict(block_m=32, min_prefill=10 ** 9), False, True),
-                                 (dict(block_m=64, min_prefill=16, flat=True), False, False)):
-        launch = dataclasses.replace(A.DEFAULT_LAUNCH, fused_merge=fused, split_trans=trans,
-                                     merge_scan=trans)
+    for kwargs, scan in ((dict(block_m=16, min_prefill=1), False),
+                         (dict(block_m=32, min_prefill=10 ** 9), True),
+                         (dict(block_m=32, min_prefill=10 ** 9), False),
+                         (dict(block_m=64, min_prefill=16), False)):
+        launch = dataclasses.replace(A.DEFAULT_LAUNCH, merge_scan=scan)
         plan = A.plan(meta, launch=launch, **kwargs)
         out = A.attention(batch, cache.k, cache.v, dataclasses.replace(meta, plan=plan),
                           d ** -0.5)
-        assert torch.equal(out, torch.cat([alone[2], alone[0], alone[1]])), (fused, trans)
+        assert torch.equal(out, torch.cat([alone[2], alone[0], alone[1]])), (kwargs, scan)
     moved = Paged(lens, hkv, d, torch.float16, seed=7, spare=5)
     for i, n in enumerate(lens):  # same logical KV, other physical blocks
         for p in range(n):

@@ -65,8 +65,6 @@ class AttentionLaunch:
     merge_warps: int = 1
     merge_heads: int = 1
     merge_stages: int = 12
-    fused_merge: bool = False  # the last split's program merges (measured no faster on the H200)
-    split_trans: bool = True  # transposed split products (the Gluon decode needs them)
     merge_scan: bool | None = None  # None: the prefix-max scan from merge_scan_min_splits on
     merge_scan_min_splits: int = 64
     prefill_gluon: bool = True  # Hopper: the warp-specialized Gluon prefill where it fits
@@ -100,15 +98,12 @@ class TritonAttentionPlan:
     tiles: torch.Tensor  # [n_tiles, 4] int32: (seq, first row, count, first position)
     block_m: int
     split_size: int  # KV tokens per split (the invariant backend: always meta.split_size)
-    flat: bool = False  # prefill walks blocks in one loop, merging at split ends
     launch: AttentionLaunch = DEFAULT_LAUNCH
-    counters: torch.Tensor | None = None  # fused-merge counters (made on first use)
 
 
 def plan(meta: AttentionMetadata, block_m: int | None = None,
-         min_prefill: int = PREFILL_MIN_QUERIES, flat: bool = False,
-         split_size: int | None = None, launch: AttentionLaunch = DEFAULT_LAUNCH
-         ) -> TritonAttentionPlan:
+         min_prefill: int = PREFILL_MIN_QUERIES, split_size: int | None = None,
+         launch: AttentionLaunch = DEFAULT_LAUNCH) -> TritonAttentionPlan:
     """Index tensors for one forward: sequences with ``min_prefill`` or more queries go to the
     prefill kernel, the others (decode, short chunks) to the split kernel."""
     qsl, split = meta.query_start_loc_list, split_size or meta.split_size
@@ -136,8 +131,7 @@ def plan(meta: AttentionMetadata, block_m: int | None = None,
     return TritonAttentionPlan(
         dec_seq=ints(dec_seq), dec_pos=ints(dec_pos), dec_row=ints(dec_row),
         dec_max_splits=max(dec_pos, default=0) // split + 1,
-        tiles=ints(tiles).view(-1, 4), block_m=block_m, split_size=split, flat=flat,
-        launch=launch)
+        tiles=ints(tiles).view(-1, 4), block_m=block_m, split_size=split, launch=launch)
 
 
 def plan_decode(meta: AttentionMetadata, positions: torch.Tensor, max_splits: int,
@@ -152,15 +146,6 @@ def plan_decode(meta: AttentionMetadata, positions: torch.Tensor, max_splits: in
         dec_seq=rows, dec_pos=positions, dec_row=rows, dec_max_splits=max_splits,
         tiles=torch.empty(0, 4, dtype=torch.int32, device=positions.device), block_m=64,
         split_size=split_size or meta.split_size, launch=launch)
-
-
-def _counters(p: TritonAttentionPlan, n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge, one per (token, kv head); each use leaves them
-    at zero again, so one buffer per plan serves every layer."""
-    if p.counters is None or p.counters.numel() < n:
-        object.__setattr__(p, "counters", torch.zeros(max(n, 64), dtype=torch.int32,
-                                                      device=device))
-    return p.counters
 
 
 def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
@@ -202,9 +187,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
     part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
     la = p.launch
-    fused = la.fused_merge
     stages = max(2, min(la.merge_stages, p.dec_max_splits))
-    counters = _counters(p, n_dec * hkv, q.device) if fused else part_ml
     rows = max(16, triton.next_power_of_2(hq // hkv))
     if _gluon_decode_fits(q, meta, p, hq // hkv):
         k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size)
@@ -215,23 +198,21 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             num_warps=4, enable_fp_fusion=False)
     else:
         _split_kernel[(n_dec, hkv, p.dec_max_splits)](
-            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml, out,
-            counters, q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1),
-            hq * p.dec_max_splits, p.dec_max_splits, out.stride(0), out.stride(1), c,
-            G=hq // hkv, ROWS=rows, **_common(q, meta, p), FUSED=fused, STAGES=stages,
-            TRANS=la.split_trans, num_warps=la.split_warps,
-            num_stages=la.split_stages, enable_fp_fusion=False)
+            q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
+            q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
+            p.dec_max_splits, c, G=hq // hkv, ROWS=rows, **_common(q, meta, p),
+            num_warps=la.split_warps, num_stages=la.split_stages, enable_fp_fusion=False)
     scan = la.merge_scan
     if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
         scan = p.dec_max_splits >= la.merge_scan_min_splits
-    if not fused and scan:
+    if scan:
         part_a = torch.empty_like(part_ml)
         _merge_scan_kernel[(n_dec, hq)](
             part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
             p.dec_max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
             NS=triton.next_power_of_2(p.dec_max_splits), STAGES=stages,
             num_warps=la.merge_warps, enable_fp_fusion=False)
-    elif not fused:
+    else:
         hb = la.merge_heads
         _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
             part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
@@ -255,7 +236,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[(hq, n_tiles)](
         q, k_cache, v_cache, bt, p.tiles, out, q.stride(0), q.stride(1), bt.stride(0),
         k_cache.stride(1), out.stride(0), out.stride(1), scale * LOG2E, G=hq // hkv,
-        BLOCK_M=p.block_m, FLAT=p.flat, **_common(q, meta, p),
+        BLOCK_M=p.block_m, **_common(q, meta, p),
         num_warps=4 if p.block_m <= 64 else 8,
         num_stages=p.launch.prefill_stages or (3 if p.block_m <= 64 else 2),
         enable_fp_fusion=False)
@@ -275,16 +256,13 @@ def _gluon_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan
     """The Gluon prefill kernel covers the engine's case on Hopper: 16-bit dtypes, head dim 64
     or 128, one 128-key block per split, 128-query tiles, pages of at most 128 keys."""
     return (p.launch.prefill_gluon and _gluon_common(q, meta, p) and p.block_m == 128
-            and not p.flat and q.stride(1) == q.shape[-1])
+            and q.stride(1) == q.shape[-1])
 
 
 def _gluon_decode_fits(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan,
                        g: int) -> bool:
-    """The Gluon split kernel: the same case (up to 64 query heads per kv head), for the
-    transposed unfused split schedule."""
-    la = p.launch
-    return (la.decode_gluon and la.split_trans and not la.fused_merge
-            and _gluon_common(q, meta, p) and g <= 64)
+    """The Gluon split kernel: the same case (up to 64 query heads per kv head)."""
+    return p.launch.decode_gluon and _gluon_common(q, meta, p) and g <= 64
 
 
 def _gluon_common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) -> bool:

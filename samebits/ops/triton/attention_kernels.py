@@ -112,17 +112,13 @@ def _merge(M, L, ACC, m_s, l_s, acc_s, c):
 
 @triton.jit
 def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc, part_ml,
-                  out_ptr, cnt_ptr, stride_qt, stride_qh, stride_bt, stride_slot, stride_pt,
-                  stride_ph, stride_ot, stride_oh, c, G: tl.constexpr, ROWS: tl.constexpr,
-                  D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
-                  TRANS: tl.constexpr):
+                  stride_qt, stride_qh, stride_bt, stride_slot, stride_pt, stride_ph, c,
+                  G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
-    head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies.
-    TRANS runs the transposed products (same bits, MMAs with 64-row tiles of keys or D instead
-    of 16 padded query rows). With FUSED, the last of the token's split programs to finish (an
-    atomic counter per token and kv head, reset by that program) merges all of them in order, as
-    ``_merge_kernel`` would.
+    head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies. The
+    products are transposed (MMAs with 64-row tiles of keys or D instead of 16 padded query
+    rows; the same products and K order as the prefill's, elementwise the same arithmetic).
 
     Invariance: a partial depends on q of that token/head, its position p and K/V of the split's
     keys <= p; not on the batch, the other tokens or the physical blocks.
@@ -143,29 +139,11 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
     k_hi = tl.minimum(k_lo + SPLIT, pos + 1)
     rows = tl.arange(0, ROWS)
     base = j.to(tl.int64) * stride_pt + hq * stride_ph + split
-    bt_row = bt_ptr + b * stride_bt
-    if TRANS:
-        m, ls, accT = _split_t(tl.trans(q), k_cache, v_cache, bt_row, h * D, k_lo, k_hi, pos,
-                               stride_slot, c, ROWS, D, BS, SPLIT, BLOCK_N, PRECISION)
-        tl.store(part_acc + base[None, :] * D + d[:, None], accT, mask=(rows < G)[None, :])
-    else:
-        m, ls, acc = _split(q, k_cache, v_cache, bt_row, h * D, k_lo, k_hi, pos, stride_slot, c,
-                            ROWS, D, BS, SPLIT, BLOCK_N, PRECISION)
-        tl.store(part_acc + base[:, None] * D + d[None, :], acc, mask=(rows < G)[:, None])
+    m, ls, accT = _split_t(tl.trans(q), k_cache, v_cache, bt_ptr + b * stride_bt, h * D, k_lo,
+                           k_hi, pos, stride_slot, c, ROWS, D, BS, SPLIT, BLOCK_N, PRECISION)
+    tl.store(part_acc + base[None, :] * D + d[:, None], accT, mask=(rows < G)[None, :])
     tl.store(part_ml + base * 2 + 1, ls, mask=rows < G)
     tl.store(part_ml + base * 2, m, mask=rows < G)
-    if FUSED:
-        n_splits = pos // SPLIT + 1
-        counter = cnt_ptr + j * tl.num_programs(1) + h
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            tl.store(counter, 0)
-            hs = h * G + tl.arange(0, ROWS)
-            hmask = tl.arange(0, ROWS) < G
-            out = _merge_splits(part_acc, part_ml, j, hs, hmask, n_splits, stride_pt, stride_ph, c,
-                                D, STAGES)
-            tl.store(out_ptr + t * stride_ot + hs[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -189,29 +167,6 @@ def _split_t(qT, k_cache, v_cache, bt_row, head_off, k_lo, k_hi, pos, stride_slo
                                            PRECISION)
         ls = tl.max(lsT, 0)
     return m, ls, accT
-
-
-@triton.jit
-def _split(q, k_cache, v_cache, bt_row, head_off, k_lo, k_hi, pos, stride_slot, c,
-           ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
-           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """``_split_t`` with untransposed products: (m [R], l [R], acc [R, D])."""
-    if SPLIT == BLOCK_N:
-        key_pos = k_lo + tl.arange(0, BLOCK_N)
-        k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS, D)
-        m, ls, acc = _split_partial(q, k, v, key_pos[None, :] <= pos, c, PRECISION)
-    else:
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        ls2 = tl.zeros([ROWS, 16], tl.float32)
-        acc = tl.zeros([ROWS, D], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_N):
-            key_pos = k0 + tl.arange(0, BLOCK_N)
-            k, v = _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot, BS,
-                             D)
-            m, ls2, acc = _block_update(m, ls2, acc, q, k, v, key_pos[None, :] <= pos, c,
-                                        PRECISION)
-        ls = tl.max(ls2, 1)
-    return m, ls, acc
 
 
 @triton.jit
@@ -257,8 +212,7 @@ def _merge_kernel(part_acc, part_ml, pos_ptr, row_ptr, out_ptr, stride_pt, strid
 def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_qt, stride_qh,
                     stride_bt, stride_slot, stride_ot, stride_oh, c, G: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Causal attention of up to BLOCK_M consecutive queries of one sequence for query head
     ``program_id(0)``; tile ``program_id(1)`` = (seq, first row, count, first position).
 
@@ -285,20 +239,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, tiles_ptr, out_ptr, stride_
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     ls = tl.zeros([BLOCK_M, 16], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if FLAT and SPLIT != BLOCK_N:
-        n_blocks = tl.cdiv(max_p + 1, BLOCK_N)
-        for jb in range(0, n_blocks):
-            key_pos = jb * BLOCK_N + tl.arange(0, BLOCK_N)
-            k, v = _kv_block(k_cache, v_cache, bt_row, h * D, key_pos, max_p + 1, stride_slot,
-                             BS, D)
-            visible = key_pos[None, :] <= row_pos[:, None]
-            m, ls, acc = _block_update(m, ls, acc, q, k, v, visible, c, PRECISION)
-            if ((jb + 1) % (SPLIT // BLOCK_N) == 0) | (jb == n_blocks - 1):
-                M, L, ACC = _merge(M, L, ACC, m, tl.max(ls, 1), acc, c)
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                ls = tl.zeros([BLOCK_M, 16], tl.float32)
-                acc = tl.zeros([BLOCK_M, D], tl.float32)
-    elif SPLIT == BLOCK_N:  # one block per split: each block's partial is merged at once
+    if SPLIT == BLOCK_N:  # one block per split: each block's partial is merged at once
         k_mid = (p0 + 1) // BLOCK_N * BLOCK_N  # blocks wholly at or below p0 need no mask
         for k0 in range(0, k_mid, BLOCK_N):
             key_pos = k0 + tl.arange(0, BLOCK_N)

@@ -8,18 +8,32 @@ runs the same kernels on CPU under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 import torch
 
 from samebits.ops.backend import AttentionMetadata, register
 from samebits.ops.triton import attention, linear, rms_norm, softmax
 
+# The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
+# splits and key blocks); launch tuning that cannot change the bits lives in them too, so the
+# digest errs on the side of a new fingerprint.
+_ARITHMETIC_SOURCES = ("attention.py", "attention_kernels.py", "attention_gluon.py", "linear.py",
+                       "linear_kernels.py", "rms_norm.py", "softmax.py")
+
+
+def _arithmetic_digest() -> str:
+    h = hashlib.sha256()
+    for name in _ARITHMETIC_SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:12]
+
 
 @register("cuda", True)
 class TritonBackend:
-    # part of the numerics fingerprint (prefix-cache keys): "-kb128" since the attention's key
-    # blocks became 128 keys (a 128-key split is one block), which changed the bits
-    name = "triton-cuda-kb128"
+    # enters the numerics fingerprint (prefix-cache keys): derived from the kernels' sources
+    name = f"triton-cuda|{_arithmetic_digest()}"
     batch_invariant = True
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None

@@ -42,7 +42,6 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False  # persistent TMA kernel (16-bit dtypes, 16-byte aligned rows)
-    ws: bool = False  # warp specialization of the TMA kernel's loop
 
 
 def num_segments(k: int, n: int) -> int:
@@ -143,4 +142,4 @@ def _run_tma(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torc
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), b if b is not None else x, m, n, k,
         HAS_BIAS=b is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

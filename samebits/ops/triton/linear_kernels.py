@@ -97,7 +97,7 @@ def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl
 @triton.jit
 def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr):
+                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """Persistent TMA GEMM, one segment: out = x @ w.T (+ b); programs stride over output tiles.
 
     Invariance: as ``_linear_kernel`` with one segment -- ``out[i, j]`` depends on x[i, :], w[j, :]
@@ -108,7 +108,7 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.co
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     width = GROUP_M * grid_n
-    for tile in tl.range(start, grid_m * grid_n, NUM_PROGRAMS, flatten=True, warp_specialize=WS):
+    for tile in tl.range(start, grid_m * grid_n, NUM_PROGRAMS, flatten=True):
         first_m = (tile // width) * GROUP_M
         group_size = tl.minimum(grid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % width) % group_size
