@@ -49,7 +49,9 @@ def profile(llm: LLM, batch: int, steps: int, prompt_len: int) -> dict:
         for i in range(batch):
             engine.add_request(f"p{batch}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                                params)
-        engine.step()  # the prefill (and the first token)
+        started: set[str] = set()
+        while len(started) < batch:  # every prefill chunk, until each request has a token
+            started |= {s.request_id for s in engine.step() if s.output_token_ids}
         totals.clear()
         t0 = time.perf_counter()
         for _ in range(steps):
