@@ -50,7 +50,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu for a smoke run")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--formula-backward", action="store_true",
+                    help="backward by the reference formulas (no SDPA / Triton fast paths)")
+    ap.add_argument("--profile", default="",
+                    help="write a torch.profiler table of one trainer step per shape to this file")
+    ap.add_argument("--skip-hf", action="store_true", help="time the trainer only")
     args = ap.parse_args()
+    if args.formula_backward:
+        from samebits.ops import autograd
+        autograd.SDPA_BACKWARD = autograd.TRITON_RMS_NORM_BACKWARD = False
 
     import transformers
 
@@ -86,15 +94,33 @@ def main() -> None:
             torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum().backward()
 
         tokens = b * n
-        t_hf = _time(hf_step, args.warmup, args.iters)
+        t_hf = float("nan") if args.skip_hf else _time(hf_step, args.warmup, args.iters)
         t_tl = _time(trainer_step, args.warmup, args.iters)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trainer_step()
+                _sync()
+            with open(args.profile, "a") as f:
+                f.write(f"==== {shape} trainer step, by self CPU time\n")
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+                f.write(f"\n==== {shape} trainer step, by device time\n")
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+                f.write("\n")
         ratio = (tokens / t_tl) / (tokens / t_hf)
-        ratios.append(ratio)
+        if not args.skip_hf:
+            ratios.append(ratio)
+        hf_ok = not args.skip_hf
         print(json.dumps({"bench": "train_fwd_bwd", "device": device, "config": Path(args.config).name,
                           "dtype": args.dtype, "batch": b, "seq_len": n, "tokens": tokens,
-                          "trainer_tok_s": round(tokens / t_tl), "hf_sdpa_tok_s": round(tokens / t_hf),
-                          "trainer_ms": round(t_tl * 1e3, 2), "hf_sdpa_ms": round(t_hf * 1e3, 2),
-                          "ratio": round(ratio, 3)}), flush=True)
+                          "backward": "formulas" if args.formula_backward else "fast",
+                          "trainer_tok_s": round(tokens / t_tl),
+                          "hf_sdpa_tok_s": round(tokens / t_hf) if hf_ok else None,
+                          "trainer_ms": round(t_tl * 1e3, 2),
+                          "hf_sdpa_ms": round(t_hf * 1e3, 2) if hf_ok else None,
+                          "ratio": round(ratio, 3) if hf_ok else None}), flush=True)
+    if not ratios:
+        return
     print(json.dumps({"bench": "train_fwd_bwd_summary", "device": device,
                       "torch": torch.__version__, "transformers": transformers.__version__,
                       "geomean_ratio": round(statistics.geometric_mean(ratios), 3),

@@ -14,6 +14,7 @@ reference formula, which agrees with the invariant forward to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -23,7 +24,40 @@ import torch
 
 from samebits.ops.backend import AttentionMetadata, OpBackend
 
-__all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "rms_norm_reference"]
+__all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "attention_sdpa",
+           "attention_vjp", "rms_norm_reference"]
+
+# The backward's fast paths on CUDA (module switches, so a test can compare with the formulas):
+# attention's VJP through stock SDPA's flash kernel in its deterministic mode, and a one-pass
+# Triton RMSNorm backward.
+SDPA_BACKWARD = True
+TRITON_RMS_NORM_BACKWARD = True
+
+
+class _Deterministic:
+    """A reference whose backward kernels run under ``torch.use_deterministic_algorithms``
+    (flash attention's backward then reduces dQ in a fixed order instead of by atomics)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *xs: torch.Tensor | None) -> torch.Tensor:
+        return self.fn(*xs)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    was, warn = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    import torch.utils.deterministic as det
+    fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False  # no reads of uninitialized memory here: skip the fills
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 class _Invariant(torch.autograd.Function):
@@ -40,9 +74,12 @@ class _Invariant(torch.autograd.Function):
         xs = [None if x is None else x.detach().requires_grad_(need)
               for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:], strict=True)]
         wanted = [x for x in xs if x is not None and x.requires_grad]
+        det = (_deterministic_algorithms() if isinstance(ctx.ref, _Deterministic)
+               else contextlib.nullcontext())
         with torch.enable_grad():
             out = ctx.ref(*xs)
-            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+            with det:
+                grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         return (None, None, *[next(grads) if x is not None and x.requires_grad else None
                               for x in xs])
 
@@ -124,6 +161,90 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return (out if inverse is None else out[inverse]).reshape(-1, hq, d)
 
 
+def _fresh(meta: AttentionMetadata) -> bool:
+    """Every sequence's queries are all its tokens (a prefill from position 0)."""
+    qsl = meta.query_start_loc_list
+    return all(qsl[b + 1] - qsl[b] == n for b, n in enumerate(meta.seq_lens_list))
+
+
+@functools.lru_cache(maxsize=16)
+def _varlen_plan(lens: tuple[int, ...], qsl: tuple[int, ...], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence of each token, its position, cumulative query starts as int32), on device."""
+    seq = [b for b, n in enumerate(lens) for _ in range(n)]
+    pos = [p for n in lens for p in range(n)]
+    return (torch.tensor(seq, device=device), torch.tensor(pos, device=device),
+            torch.tensor(qsl, dtype=torch.int32, device=device))
+
+
+_VARLEN_OK = [True]
+
+
+def _attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+    """Fresh prefills through flash attention's variable-length kernel: the tokens stay packed
+    (no padding, no query / output gathers), GQA native; None where the op is missing."""
+    if not _VARLEN_OK[0]:
+        return None
+    seq, pos, cu = _varlen_plan(meta.seq_lens_list, meta.query_start_loc_list, q.device)
+    bs = meta.block_size
+    slots = meta.block_tables.long()[seq, pos // bs] * bs + pos % bs
+    k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]  # [T, Hkv, D]
+    n = max(meta.seq_lens_list)
+    try:
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False,
+                                                       scale=scale)[0]
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
+        _VARLEN_OK[0] = False
+        return None
+
+
+def attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``attention_reference``'s math through stock flash attention (causal), for prefills from
+    position 0 (``_fresh``) in bf16/fp16 on CUDA: the variable-length kernel on the packed tokens
+    (``_attention_varlen``), else SDPA (``is_causal``, flash backend) on padded groups:
+
+    the same padded groups as the reference: each sequence's queries and keys are right-padded
+    to the group's longest, so under the top-left causal mask a real query row sees only its own
+    sequence's keys; padded rows repeat the last query and never reach an output (their output
+    gradient is zero, so they add exactly zero to dK / dV).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = _attention_varlen(q, k_cache, v_cache, meta, scale)
+    if out is not None:
+        return out
+    hq, hkv, bs, d = q.shape[1], k_cache.shape[2], meta.block_size, q.shape[2]
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    plans, inverse = _reference_plan(meta.seq_lens_list, meta.query_start_loc_list, hq, q.device)
+    tables, outs = meta.block_tables.long(), []
+    for g, kpos, rows, _qpos, keep_j, keep_i in plans:
+        blocks = tables[g][:, (kpos // bs).clamp(max=tables.shape[1] - 1)]  # [G, L]
+        slots = blocks * bs + kpos % bs
+        k = k_flat[slots].transpose(1, 2)  # [G, Hkv, L, D]
+        v = v_flat[slots].transpose(1, 2)
+        if hq != hkv:
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        qb = q[rows].transpose(1, 2)  # [G, Hq, L, D]
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, is_causal=True,
+                                                                 scale=scale)
+        outs.append(o.transpose(1, 2)[keep_j, keep_i])
+    out = torch.cat(outs)
+    return (out if inverse is None else out[inverse]).reshape(-1, hq, d)
+
+
+def attention_vjp(q: torch.Tensor, meta: AttentionMetadata, scale: float) -> Callable:
+    """The reference whose VJP is attention's backward: stock SDPA's flash kernel (deterministic
+    mode) where it applies, else ``attention_reference``."""
+    if (SDPA_BACKWARD and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _fresh(meta)
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+        return _Deterministic(partial(attention_sdpa, meta=meta, scale=scale))
+    return partial(attention_reference, meta=meta, scale=scale)
+
+
 class _RMSNorm(torch.autograd.Function):
     """forward(fwd, x, w, eps) = fwd(x, w, eps); backward = the exact gradient of
     ``rms_norm_reference`` in closed form, in fp32 (no recompute graph)."""
@@ -137,6 +258,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
+        if TRITON_RMS_NORM_BACKWARD and x.is_cuda:
+            from samebits.ops.triton.rms_norm_backward import rms_norm_backward
+            gx, gw = rms_norm_backward(x, w, grad, ctx.eps, ctx.needs_input_grad[1],
+                                       ctx.needs_input_grad[2])
+            return None, gx, gw, None
         h = x.float()
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
         g = grad.float()
@@ -227,5 +353,4 @@ class DifferentiableOps:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return invariant_apply(partial(self.inner.attention, meta=meta, scale=scale),
-                               partial(attention_reference, meta=meta, scale=scale),
-                               q, k_cache, v_cache)
+                               attention_vjp(q, meta, scale), q, k_cache, v_cache)

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 import samebits.ops as ops
-from samebits.ops.autograd import attention_reference, invariant_apply
+from samebits.ops.autograd import attention_vjp, invariant_apply
 from samebits.ops.backend import AttentionMetadata, get_backend
 
 BLOCK = 16  # keys per cache block of the per-call cache (the bits do not depend on it)
@@ -81,7 +81,7 @@ def engine_sdpa(stock: Callable, busy: Callable, module: torch.nn.Module, query:
     scale = d ** -0.5 if scaling is None else scaling
     with busy():  # nested aten calls of the engine's kernel run stock, as in the engine
         out = invariant_apply(partial(ops.attention, meta=meta, scale=scale),
-                              partial(attention_reference, meta=meta, scale=scale),
+                              attention_vjp(query, meta, scale),
                               q.contiguous(), cache(key), cache(value))
     result = query.new_zeros(b, s, hq, d)
     for i, part in enumerate(out.split(lens)):
