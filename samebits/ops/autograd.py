@@ -6,10 +6,12 @@ wraps any op backend: each op runs ``inner``'s kernel under ``no_grad`` in the f
 output is bitwise what the engine computes) and, in the backward, recomputes a stock PyTorch
 formula of the same math with autograd and returns its gradients (attention), or applies the
 formula's derivative directly: ``linear`` (``g @ w``, ``g^T @ x``), softmax / log_softmax (aten's
-backward of the saved output), RMSNorm (the reference's exact gradient in closed form, fp32).
+backward of the saved output), RMSNorm (the reference's exact gradient in closed form, fp32;
+one Triton pass on CUDA). On CUDA in bf16/fp16, attention's VJP for prefills from position 0 is
+stock flash attention's (``attention_sdpa``), its backward run in deterministic mode.
 The backward is therefore not batch-invariant, but it is deterministic (fixed shapes, no
-atomics: the same step gives the same gradient bits), and it is the exact gradient of the
-reference formula, which agrees with the invariant forward to float rounding.
+atomics: the same step gives the same gradient bits), and it is the gradient of a stock
+formula of the same math, which agrees with the invariant forward to float rounding.
 """
 
 from __future__ import annotations
