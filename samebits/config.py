@@ -156,9 +156,10 @@ class EngineConfig:
     # most one such chunk; None: CPU_LONG_PREFILL_TOKENS on CPU, no cap (the step budget) on CUDA
     long_prefill_token_threshold: int | None = None
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
-    # None: one device, the plain arithmetic. N >= 1: the segmented arithmetic of
-    # samebits.distributed over N ranks (bitwise the same for every N dividing the KV heads)
-    tensor_parallel_size: int | None = None
+    # ranks the model is sharded over (samebits.distributed); 1: one device. The invariant
+    # arithmetic is the segmented one on every N, so N = 1, 2, ... dividing the KV heads give the
+    # same bits (the standard mode promises nothing across N)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.task not in ("generate", "embed"):
@@ -175,7 +176,7 @@ class EngineConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
-        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=True)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold,
                   allow_none=True)
         if self.attention_split_size % 16:
@@ -234,9 +235,9 @@ class EngineConfig:
         p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
                        help="prompt tokens prefilled per step (all sequences together), so running "
                        "streams wait at most one such chunk; None: 128 on CPU, no cap on CUDA")
-        p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                       help="shard the model over N processes (gloo on CPU, NCCL on GPU); the "
-                       "segmented arithmetic gives the same bits for every N; None: unsharded")
+        p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="shard the model over N processes (gloo on CPU, NCCL on GPU); every N "
+                       "dividing the KV heads gives the bits of N = 1 (one device)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 

@@ -5,8 +5,9 @@ tensor-parallel size N (which must divide S): column-parallel linears (qkv, gate
 run one product per output segment, row-parallel ones (o_proj, down_proj) one partial product per
 K segment, and the partials are all-gathered and added in segment order. A rank owns S/N whole
 segments, so every product has the same shape on any N and the sum the same order: N = 1, 2, 3...
-give bitwise the same logits. ``tensor_parallel_size=1`` runs this segmented arithmetic on one
-device. Collectives: ``torch.distributed`` (gloo on CPU, NCCL on CUDA); never an all-reduce, whose
+give bitwise the same logits. The single-device model (``tensor_parallel_size=1``, the default)
+computes o_proj and down_proj over the same K segments (``segments.k_bounds``), so it gives these
+bits too. Collectives: ``torch.distributed`` (gloo on CPU, NCCL on CUDA); never an all-reduce, whose
 order would depend on N.
 
 - ``segments``: which rows/columns of each weight form segment s, and which segments a rank owns;
@@ -15,6 +16,16 @@ order would depend on N.
 - ``engine``: rank 0 drives, ranks 1..N-1 run the same forwards (``enable_tensor_parallel``).
 """
 
-from samebits.distributed.engine import enable_tensor_parallel, shutdown
+from __future__ import annotations
+
+from importlib import import_module
 
 __all__ = ["enable_tensor_parallel", "shutdown"]
+
+
+def __getattr__(name: str):
+    """The engine's entry points load on first use: ``samebits.models.llama`` imports
+    ``segments``, and ``engine`` imports the model, so an eager import here would be a cycle."""
+    if name in __all__:
+        return getattr(import_module("samebits.distributed.engine"), name)
+    raise AttributeError(f"module 'samebits.distributed' has no attribute {name!r}")

@@ -3,15 +3,14 @@ spawned worker processes that load the same model, keep their own KV heads, and 
 and logits call rank 0 runs, in the same order (rank 0 broadcasts each call's inputs first).
 
 ``enable_tensor_parallel(runner, loaded, config)`` swaps the runner's model for the driver and its
-KV caches for this rank's per-group caches, and returns the engine's new fingerprint: the segmented
-arithmetic has bits of its own, the same for every N, so N is not part of it.
+KV caches for this rank's per-group caches. The engine's fingerprint does not change: the
+single-device model already computes the segmented arithmetic, the same for every N.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import hashlib
 import socket
 import weakref
 from typing import Any
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup
 from samebits.distributed.model import TPModel
+from samebits.distributed.segments import Segments
 from samebits.ops.backend import AttentionMetadata
 
 
@@ -84,10 +84,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def enable_tensor_parallel(runner, loaded, config: EngineConfig) -> str:
+def enable_tensor_parallel(runner, loaded, config: EngineConfig) -> None:
     """Shard ``runner``'s model over ``config.tensor_parallel_size`` ranks (this process is rank
-    0); returns the fingerprint of the segmented arithmetic."""
+    0)."""
     world = config.tensor_parallel_size
+    Segments.for_model(loaded.model_config, 0, world)  # N must divide S: fail before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_worker_main, daemon=True, name=f"samebits-tp-{r}",
@@ -103,8 +104,6 @@ def enable_tensor_parallel(runner, loaded, config: EngineConfig) -> str:
     runner.kv_caches = tp.allocate_caches(runner.num_blocks + 1, config.block_size)
     weakref.finalize(runner, driver.close)
     atexit.register(driver.close)
-    seg = f"|tp-segments={tp.seg.num_segments}"
-    return "fp_" + hashlib.sha256((loaded.fingerprint + seg).encode()).hexdigest()[:16]
 
 
 def shutdown(llm) -> None:

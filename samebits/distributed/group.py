@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from samebits.ops.backend import ordered_sum
+
 
 class TPGroup:
     def __init__(self, rank: int, world_size: int, device: torch.device,
@@ -24,12 +26,9 @@ class TPGroup:
 
     def ordered_sum(self, partials: list[torch.Tensor]) -> torch.Tensor:
         """``((p_0 + p_1) + p_2) + ...`` over all S segments (this rank's are ``partials``, its
-        segments in order; rank r holds segments r S/N ...), in fp32, on every rank."""
-        every = self.all_gather(torch.stack([p.float() for p in partials]))
-        acc = every[0].clone()
-        for p in every[1:]:
-            acc += p
-        return acc
+        segments in order; rank r holds segments r S/N ...), in the partials' dtype (the
+        backend's accumulation dtype), on every rank: ``samebits.ops.backend.ordered_sum``."""
+        return ordered_sum(self.all_gather(torch.stack(partials)))
 
     def gather_cat(self, local: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``local`` along ``dim`` in rank order; rank r's block has

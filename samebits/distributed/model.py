@@ -4,8 +4,10 @@ copies, so each product has the same memory layout on any N) and the forward tha
 Per layer: RMSNorm (replicated) -> per owned KV group: qkv product, q/k norm, RoPE, KV store,
 attention, the group's o_proj partial -> ordered sum -> residual; then per owned MLP segment: the
 gate/up product, SiLU, the down_proj partial -> ordered sum -> residual. The same ops, casts and
-order as ``samebits.models.llama``, with products split by segment. Embedding and LM head are
-vocab-parallel: a rank looks up / scores only its vocab rows; rows are gathered, never summed.
+order as ``samebits.models.llama``, whose o_proj and down_proj compute the same partials over the
+same K segments (``segments.k_bounds``) and add them in the same order on one device. Embedding
+and LM head are vocab-parallel: a rank looks up / scores only its vocab rows; rows are gathered,
+never summed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def _take(w: torch.Tensor | None, rows=None, cols=None) -> torch.Tensor | None:
     if cols is not None:
         w = w[:, cols]
     return w.detach().clone().contiguous()
+
+
+def _partial(ops, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One K segment's partial product (w holds exactly that segment's columns), unrounded: the
+    value the single-device ``linear(..., k_bounds)`` adds for this segment."""
+    return ops.linear_partials(x, w, ((0, w.shape[1]),))[0]
 
 
 class TPLayer:
@@ -116,14 +124,14 @@ class TPModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             store_kv(k.contiguous(), v.contiguous(), kc, vc, meta.slot_mapping)
             o = ops.attention(q.contiguous(), kc, vc, meta, d ** -0.5)
-            partials.append(ops.linear(o.reshape(t, g * d), w_o))
+            partials.append(_partial(ops, o.reshape(t, g * d), w_o))
         return self.group.ordered_sum(partials).to(x.dtype)
 
     def _mlp(self, layer: TPLayer, x: torch.Tensor) -> torch.Tensor:
         partials = []
         for (w, b), w_down in zip(layer.gate_up, layer.down, strict=True):
             gate, up = self.ops.linear(x, w, b).chunk(2, dim=-1)
-            partials.append(self.ops.linear(F.silu(gate) * up, w_down))
+            partials.append(_partial(self.ops, F.silu(gate) * up, w_down))
         out = self.group.ordered_sum(partials).to(x.dtype)
         return out if layer.down_bias is None else out + layer.down_bias
 

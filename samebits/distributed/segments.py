@@ -4,6 +4,10 @@ S is the model's number of KV heads. Segment g of the attention is KV group g (i
 query heads, one K and one V head); segment c of the MLP is the c-th of S near-equal slices of the
 intermediate dimension; segment v of the vocabulary the v-th of S near-equal slices of the vocab.
 Rank r of N owns segments [r S/N, (r+1) S/N).
+
+``k_bounds`` is the one definition of the row-parallel linears' K segments (o_proj: the KV groups'
+columns; down_proj: the MLP slices): the single-device model computes o_proj and down_proj over
+these segments too, so one device and N ranks give the same bits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from samebits.config import ModelConfig
+from samebits.ops.backend import KBounds
 
 
 def bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -21,6 +26,17 @@ def bounds(total: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         edges.append(edges[-1] + total // parts + (1 if i < total % parts else 0))
     return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def row_parallel_bounds(k: int, num_segments: int) -> KBounds:
+    """The K segments of a row-parallel weight with ``k`` input columns: ``bounds(k, S)``. For
+    o_proj (k = Hq D, a multiple of S) segment g is KV group g's columns."""
+    return tuple(bounds(k, num_segments))
+
+
+def k_bounds(cfg: ModelConfig, k: int) -> KBounds:
+    """The model's segmentation (S = its KV heads) of a row-parallel weight's ``k`` columns."""
+    return row_parallel_bounds(k, cfg.num_key_value_heads)
 
 
 @dataclass(frozen=True)
@@ -57,12 +73,10 @@ class Segments:
                           (hq + hkv) * d + torch.arange(g * d, (g + 1) * d)])
 
     def o_cols(self, cfg: ModelConfig, g: int) -> slice:
-        q = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim
-        return slice(g * q, (g + 1) * q)
+        return slice(*k_bounds(cfg, cfg.num_attention_heads * cfg.head_dim)[g])
 
     def mlp_slice(self, cfg: ModelConfig, c: int) -> slice:
-        lo, hi = bounds(cfg.intermediate_size, self.num_segments)[c]
-        return slice(lo, hi)
+        return slice(*k_bounds(cfg, cfg.intermediate_size)[c])
 
     def vocab_slice(self, cfg: ModelConfig, v: int) -> slice:
         lo, hi = bounds(cfg.vocab_size, self.num_segments)[v]

@@ -46,12 +46,12 @@ class LLMEngine:
         self.config = config
         self.loaded = loaded or load(config)
         self.tokenizer = self.loaded.tokenizer
-        self.fingerprint = self.loaded.fingerprint
+        self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
         self.max_model_len = self.loaded.max_model_len
         self.runner = ModelRunner(self.loaded, config)
-        if config.tensor_parallel_size is not None:
+        if config.tensor_parallel_size > 1:
             from samebits.distributed import enable_tensor_parallel
-            self.fingerprint = enable_tensor_parallel(self.runner, self.loaded, config)
+            enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,

@@ -3,8 +3,10 @@
 
 Every reduction goes through the ``OpBackend`` the model was built with; everything else here is
 elementwise and does the same casts in the same order on every path, so the invariance of the
-backend carries over to the logits. Shapes: T = tokens in the flat batch, H = hidden size,
-Hq / Hkv = query / KV heads, D = head dim.
+backend carries over to the logits. The row-parallel linears (o_proj, down_proj) pass the model's
+K segments (``samebits.distributed.segments.k_bounds``: S = the KV heads) to the backend, so one
+device computes the tensor-parallel arithmetic and gives the bits of every TP size.
+Shapes: T = tokens in the flat batch, H = hidden size, Hq / Hkv = query / KV heads, D = head dim.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.config import ModelConfig, ModelFormatError
+from samebits.distributed.segments import k_bounds
 from samebits.models.weights import fused_param, packed_hf_names
 from samebits.ops.backend import AttentionMetadata, OpBackend, store_kv
 
@@ -67,6 +70,7 @@ class Attention(nn.Module):
         self.qkv_proj = fused_param(shards, cfg.hidden_size)
         self.qkv_bias = fused_param(shards) if cfg.attention_bias else None
         self.o_proj = _param(cfg.hidden_size, self.hq * self.d)
+        self.o_bounds = k_bounds(cfg, self.hq * self.d)  # segment g: KV group g's columns
         self.q_norm = _param(self.d) if cfg.qk_norm else None
         self.k_norm = _param(self.d) if cfg.qk_norm else None
 
@@ -83,7 +87,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
-        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj)  # [T, H]
+        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj,
+                          k_bounds=self.o_bounds)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -94,10 +99,12 @@ class MLP(nn.Module):
         self.gate_up_bias = fused_param(shards) if cfg.mlp_bias else None
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
         self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+        self.down_bounds = k_bounds(cfg, cfg.intermediate_size)
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
         gate, up = ops.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return ops.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        return ops.linear(F.silu(gate) * up, self.down_proj, self.down_bias,
+                          k_bounds=self.down_bounds)
 
 
 class DecoderLayer(nn.Module):

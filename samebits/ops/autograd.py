@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from samebits.ops.backend import AttentionMetadata, OpBackend
+from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend
 
 __all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "attention_sdpa",
            "attention_vjp", "rms_norm_reference"]
@@ -328,11 +328,14 @@ class DifferentiableOps:
         self.inner = inner
         self.name, self.batch_invariant = inner.name, inner.batch_invariant
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               k_bounds: KBounds | None = None) -> torch.Tensor:
+        """The inner backend's product (segmented K with ``k_bounds``); F.linear's gradients."""
+        fwd = self.inner.linear if k_bounds is None else partial(self.inner.linear,
+                                                                 k_bounds=k_bounds)
         if _needs_grad(x, w, b):
-            return _Linear.apply(self.inner.linear, x, w, b)
-        return self.inner.linear(x, w, b)
+            return _Linear.apply(fwd, x, w, b)
+        return fwd(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if _needs_grad(x, w):

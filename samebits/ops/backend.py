@@ -10,6 +10,16 @@ how many rows there are, where the row sits, or what the other rows hold. For at
 of the query at position p depends only on q, and on K/V at positions [0, p] of its own sequence --
 not on how many queries of the sequence run this step (prefill, chunk or decode), on the batch, or
 on which physical KV blocks hold them.
+
+Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.distributed``): with
+``k_bounds`` = ((0, k1), (k1, k2), ..., (k_{S-1}, K)), ``linear`` computes one partial product per
+K segment, each accumulated from zero in the backend's accumulation dtype (fp32; fp64 for fp64
+inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
+partials in segment order, ``((p0 + p1) + p2) + ...``, casts once to x's dtype and then adds the
+bias. ``linear_partials`` returns those partials unsummed. A tensor-parallel rank computes its own
+segments' partials and the ranks' partials are added in the same order, so one device and N
+ranks give the same bits. Invariant backends must honour ``k_bounds``; the standard backends
+ignore it in ``linear`` (stock ``F.linear``: the negative control, not TP-invariant).
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+KBounds = tuple[tuple[int, int], ...]  # ordered, contiguous [lo, hi) ranges covering [0, K)
 
 
 @dataclass(frozen=True)
@@ -58,9 +70,16 @@ class OpBackend(Protocol):
     name: str
     batch_invariant: bool
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """x [..., K] @ w[N, K].T (+ b) -> [..., N], accumulated in fp32."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               k_bounds: KBounds | None = None) -> torch.Tensor:
+        """x [..., K] @ w[N, K].T (+ b) -> [..., N], accumulated in fp32; over the K segments
+        ``k_bounds`` when given (module docstring)."""
+        ...
+
+    def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
+                        ) -> torch.Tensor:
+        """The partial product of each K segment, [S, ..., N] in the accumulation dtype: what
+        ``linear(x, w, k_bounds=k_bounds)`` adds in order."""
         ...
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,6 +109,23 @@ class GraphableBackend(OpBackend, Protocol):
         ``max_len`` keys) built over tensors the caller owns and refills between replays: no
         host-side value of the batch is baked into the launches."""
         ...
+
+
+def check_k_bounds(k_bounds: KBounds, k: int) -> None:
+    """Raise unless ``k_bounds`` are non-empty ordered ranges that tile [0, k) exactly."""
+    edges = [lo for lo, _ in k_bounds]
+    if (not k_bounds or edges[0] != 0 or k_bounds[-1][1] != k
+            or any(hi != nxt for (_, hi), nxt in zip(k_bounds[:-1], edges[1:], strict=True))
+            or any(hi <= lo for lo, hi in k_bounds)):
+        raise ValueError(f"k_bounds {k_bounds} do not tile [0, {k})")
+
+
+def ordered_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """``((p0 + p1) + p2) + ...`` over the leading index, in the partials' dtype."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    return acc
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,7 +1,10 @@
 """The CPU batch-invariant backend: every output element has one fixed reduction order.
 
 - ``linear``: each output element is one fma chain over K in ascending order (the C++ kernel of
-  ``cpu_kernels``), whatever the number of rows, their position or the thread count.
+  ``cpu_kernels``), whatever the number of rows, their position or the thread count. With
+  ``k_bounds`` (segmented K, ``samebits.ops.backend``): one such chain per K segment, from zero,
+  over that segment's columns (one kernel call per segment on its contiguous slice, the weight's
+  K slices packed once and kept), the fp32 partials added in segment order.
 - row reductions (RMSNorm, softmax, log_softmax) run tile by tile on ``[TILE_M, H]`` blocks, so the
   library underneath always sees one problem shape.
 - ``split_attention`` (decoder and encoder alike): each (query, head) reduces its keys in splits of
@@ -20,7 +23,7 @@ import dataclasses
 import torch
 
 from samebits.ops import cpu_kernels
-from samebits.ops.backend import AttentionMetadata, register
+from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, ordered_sum, register
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
@@ -28,14 +31,55 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           k_bounds: KBounds | None = None) -> torch.Tensor:
     *lead, k = x.shape
     n, cdt = w.shape[0], _compute_dtype(x.dtype)
     x2 = x.reshape(-1, k).to(cdt).contiguous()
-    out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n).to(x.dtype)
+    if k_bounds is None:
+        out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n)
+    else:
+        out = ordered_sum(_partials(x2, w, k_bounds))
+    out = out.to(x.dtype)
     if b is not None:
         out = out + b
     return out.reshape(*lead, n)
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """[S, ..., N]: segment s's product, one ascending fma chain over its columns, from zero."""
+    *lead, k = x.shape
+    x2 = x.reshape(-1, k).to(_compute_dtype(x.dtype)).contiguous()
+    return _partials(x2, w, k_bounds).reshape(len(k_bounds), *lead, w.shape[0])
+
+
+def _partials(x2: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """x2 [M, K] contiguous in the compute dtype -> [S, M, N]."""
+    packs, n = _packed_segments(w, x2.dtype, k_bounds), w.shape[0]
+    return torch.stack([cpu_kernels.linear(x2[:, lo:hi].contiguous(), wp, n)
+                        for (lo, hi), wp in zip(k_bounds, packs, strict=True)])
+
+
+_SEGMENT_PACKS = "_samebits_packed_segments"  # the attribute ``_packed_segments`` keeps on w
+
+
+def _packed_segments(w: torch.Tensor, dtype: torch.dtype, k_bounds: KBounds
+                     ) -> tuple[torch.Tensor, ...]:
+    """Each K segment's columns of ``w``, packed; kept on ``w`` as ``cpu_kernels.packed`` keeps
+    its pack (same storage, same version, same dtype and bounds)."""
+    try:
+        key = (w.data_ptr(), w._version, dtype, k_bounds)
+    except RuntimeError:  # an inference tensor has no version counter: pack afresh
+        key = None
+    cached = getattr(w, _SEGMENT_PACKS, None)
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    check_k_bounds(k_bounds, w.shape[1])
+    packs = tuple(cpu_kernels.pack_weight(w[:, lo:hi].to(dtype)) for lo, hi in k_bounds)
+    if key is not None:
+        setattr(w, _SEGMENT_PACKS, (key, packs))
+    return packs
+
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +144,7 @@ class ReferenceBackend:
     batch_invariant = True
 
     linear = staticmethod(linear)
+    linear_partials = staticmethod(linear_partials)
     rms_norm = staticmethod(rms_norm)
     softmax = staticmethod(softmax)
     log_softmax = staticmethod(log_softmax)
@@ -113,3 +158,6 @@ class ReferenceBackend:
     def weights_updated(model: torch.nn.Module) -> None:
         """After an in-place weight update: no packed copy of an old weight is used again."""
         cpu_kernels.forget_packed(model)
+        for p in model.parameters():
+            if hasattr(p, _SEGMENT_PACKS):
+                delattr(p, _SEGMENT_PACKS)

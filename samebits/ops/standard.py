@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from samebits.ops.backend import AttentionMetadata, register
+from samebits.ops.backend import AttentionMetadata, KBounds, register
 
 
 @register("cpu", False)
@@ -19,9 +19,16 @@ class StandardBackend:
     name = "standard"
     batch_invariant = False
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               k_bounds: KBounds | None = None) -> torch.Tensor:
+        """Stock ``F.linear``; ``k_bounds`` is ignored (the library picks its own K order)."""
         return F.linear(x, w, b)
+
+    def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
+                        ) -> torch.Tensor:
+        """Stock ``F.linear`` of each segment's columns (a tensor-parallel rank's products)."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return torch.stack([F.linear(x[..., lo:hi], w[:, lo:hi]).to(acc) for lo, hi in k_bounds])
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()

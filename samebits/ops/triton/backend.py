@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from samebits.ops.backend import AttentionMetadata, register
+from samebits.ops.backend import AttentionMetadata, KBounds, register
 from samebits.ops.triton import attention, linear, rms_norm, softmax
 
 # The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
@@ -36,9 +36,15 @@ class TritonBackend:
     name = f"triton-cuda|{_arithmetic_digest()}"
     batch_invariant = True
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        return linear.linear(x, w, b)
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               k_bounds: KBounds | None = None) -> torch.Tensor:
+        """With ``k_bounds``: one launch that accumulates each K segment in its own fp32 partial
+        and adds them in order (linear.py); CUDA-graph safe (no host values of the batch)."""
+        return linear.linear(x, w, b, k_bounds)
+
+    def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
+                        ) -> torch.Tensor:
+        return linear.partials(x, w, k_bounds)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm.rms_norm(x, w, eps)

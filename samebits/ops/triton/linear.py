@@ -2,13 +2,18 @@
 
 Arithmetic contract (what fixes the bits of ``out[i, j]``):
 
-- K is cut into ``num_segments(K, N)`` ordered segments of ``segment_len(K, N)`` elements (a
-  multiple of ``SEGMENT_ALIGN``; the last one may be shorter): functions of the weight shape only.
+- K is cut into ordered segments, functions of the weight shape and the caller's ``k_bounds``
+  only: by default ``num_segments(K, N)`` segments of ``segment_len(K, N)`` elements (a multiple of
+  ``SEGMENT_ALIGN``; the last one may be shorter); with ``k_bounds`` (the row-parallel linears'
+  segmented K, ``samebits.ops.backend``) exactly those, which must be near-equal (a run of lengths
+  q+1 then q, as ``samebits.distributed.segments.bounds`` cuts them: a ``SegmentLayout``).
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
   Today ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
 - The segment partials are summed in order, ``((p0 + p1) + p2) + ...``, then the bias is added in
-  fp32 and the sum is cast once to the output dtype.
+  fp32 and the sum is cast once to the output dtype (with ``k_bounds``: cast first, then the bias
+  added in the output dtype, as every backend does for segmented K). ``partials`` returns the
+  fp32 partials unsummed (a tensor-parallel rank's share).
 
 Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
 change the bits (design.md section 2, re-checked by tests/gpu/test_linear_bits.py). Two schedules
@@ -27,6 +32,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from samebits.ops.backend import KBounds, check_k_bounds
 from samebits.ops.triton import linear_kernels as K
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
@@ -42,6 +48,42 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False  # persistent TMA kernel (16-bit dtypes, 16-byte aligned rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentLayout:
+    """``count`` K segments: segment s starts at ``s * base + min(s, extra)`` and has ``base``
+    columns, one more when s < extra; the last one is clipped to K."""
+
+    count: int
+    base: int
+    extra: int = 0
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.base < 1 or not 0 <= self.extra < self.count:
+            raise ValueError(f"bad segment layout {self}")
+
+    @classmethod
+    def uniform(cls, k: int, segments: int) -> SegmentLayout:
+        """``segments`` segments of a multiple of SEGMENT_ALIGN columns (fewer if K is short)."""
+        seg_k = -(-k // (segments * SEGMENT_ALIGN)) * SEGMENT_ALIGN
+        return cls(-(-k // seg_k), seg_k)
+
+    @classmethod
+    @functools.lru_cache(maxsize=256)
+    def from_bounds(cls, k_bounds: KBounds, k: int) -> SegmentLayout:
+        """The layout of near-equal ``k_bounds`` (lengths q+1 ... then q ...); else ValueError."""
+        check_k_bounds(k_bounds, k)
+        lengths = [hi - lo for lo, hi in k_bounds]
+        base, extra = min(lengths), sum(1 for n in lengths if n > min(lengths))
+        layout = cls(len(lengths), base, extra)
+        if lengths != [base + (s < extra) for s in range(len(lengths))]:
+            raise ValueError(f"the Triton linear takes near-equal K segments, got {k_bounds}")
+        return layout
+
+    def even(self, k: int, block_k: int) -> bool:
+        """Every segment a whole number of BLOCK_K steps (the kernel's loads need no masks)."""
+        return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
 
 
 def num_segments(k: int, n: int) -> int:
@@ -79,41 +121,61 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           k_bounds: KBounds | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K].T (+ b) -> [..., N]; see the module docstring for the contract."""
     *lead, k = x.shape
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = x.new_empty(m, n)
+    segments = num_segments(k, n) if k_bounds is None else SegmentLayout.from_bounds(k_bounds, k)
     if m and n:
-        run(x2, w, b, out, pick_config(m, n, k, x.dtype), num_segments(k, n))
+        run(x2, w, b if k_bounds is None else None, out, pick_config(m, n, k, x.dtype), segments)
+    if k_bounds is not None and b is not None:
+        out = out + b
     return out.reshape(*lead, n)
 
 
+def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """[S, ..., N] fp32: each K segment's partial, the very values ``linear`` with ``k_bounds``
+    adds (the split schedule, whatever M)."""
+    *lead, k = x.shape
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    layout = SegmentLayout.from_bounds(k_bounds, k)
+    out = x.new_empty(layout.count, m, n, dtype=torch.float32)
+    if m and n:
+        run(x2, w, None, out, pick_config(m, n, k, x.dtype), layout, split=True)
+    return out.reshape(layout.count, *lead, n)
+
+
 def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        cfg: GemmConfig, segments: int, split: bool | None = None) -> None:
-    """Launch with an explicit tile config and segment count (benchmarks sweep these)."""
+        cfg: GemmConfig, segments: int | SegmentLayout, split: bool | None = None) -> None:
+    """Launch with an explicit tile config and segments (a count of uniform segments, or a
+    layout); benchmarks sweep these. ``out`` [S, M, N] fp32 with ``split=True`` and no bias:
+    the partials are left unsummed there."""
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    seg_k = -(-k // (segments * SEGMENT_ALIGN)) * SEGMENT_ALIGN
-    segs = -(-k // seg_k)
-    if cfg.tma and segs == 1 and _tma_ok(x, w, out):
+    layout = SegmentLayout.uniform(k, segments) if isinstance(segments, int) else segments
+    segs, keep = layout.count, out.dim() == 3  # keep: the caller wants the partials themselves
+    if cfg.tma and segs == 1 and not keep and _tma_ok(x, w, out):
         return _run_tma(x, w, b, out, cfg)
-    split = segs > 1 and m <= SPLIT_MAX_M if split is None else split and segs > 1
+    split = keep or (segs > 1 and (m <= SPLIT_MAX_M if split is None else split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    even_k = k % SEGMENT_ALIGN == 0 and k % cfg.block_k == 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    target = x.new_empty(segs, m, n, dtype=torch.float32) if split else out
+    target = out if keep or not split else x.new_empty(segs, m, n, dtype=torch.float32)
     K._linear_kernel[(tiles, segs if split else 1)](
         x, w, b if b is not None else x, target, m, n, k, x.stride(0), w.stride(0),
-        target.stride(-2), m * n, SEG_K=seg_k, NUM_SEGS=segs, SPLIT=split, MULTI=segs > 1,
-        HAS_BIAS=b is not None and not split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=even_k, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
+        target.stride(-2), m * n, SEG_BASE=layout.base, SEG_EXTRA=layout.extra, NUM_SEGS=segs,
+        SPLIT=split, MULTI=segs > 1, HAS_BIAS=b is not None and not split, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=layout.even(k, cfg.block_k), PRECISION=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split and not keep:
         block = 1024
         K._sum_partials_kernel[(triton.cdiv(m * n, block),)](
             target, b if b is not None else x, out, m * n, n, NUM_SEGS=segs,

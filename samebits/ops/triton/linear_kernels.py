@@ -12,10 +12,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, K, stride_xm, stride_wn,
+def _segment_range(seg, SEG_BASE, SEG_EXTRA, K):
+    """[k_lo, k_hi) of K segment ``seg``: ``SEG_BASE`` columns, one more for the first
+    ``SEG_EXTRA`` segments, clipped to K (linear.py's ``SegmentLayout``)."""
+    k_lo = seg * SEG_BASE + tl.minimum(seg, SEG_EXTRA)
+    k_hi = tl.minimum(k_lo + SEG_BASE + tl.where(seg < SEG_EXTRA, 1, 0), K)
+    return k_lo, k_hi
+
+
+@triton.jit
+def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, ascending K."""
+    """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, ascending K, in steps of
+    BLOCK_K from k_lo (columns at or past k_hi load as zeros; EVEN_K: none are)."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
@@ -25,8 +35,8 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, K, stride_xm, stride_
             a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
         else:
-            a = tl.load(x_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0)
-            b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
+            a = tl.load(x_ptrs, mask=(k + offs_k)[None, :] < k_hi, other=0.0)
+            b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < k_hi, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -35,14 +45,15 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, K, stride_xm, stride_
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   stride_ps, SEG_K, NUM_SEGS, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   stride_ps, SEG_BASE, SEG_EXTRA, NUM_SEGS, SPLIT: tl.constexpr,
+                   MULTI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """out = x @ w.T (+ b) with the segment order of the module docstring.
 
-    Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and (SEG_K, NUM_SEGS) --
-    not on M, the row's position, the tile shape or the program count. SPLIT=True writes the fp32
+    Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segments (SEG_BASE,
+    SEG_EXTRA, NUM_SEGS) -- not on M, the row's position, the tile shape or the program count.
+    Each segment's partial is the one-segment product of its columns alone. SPLIT=True writes the fp32
     partial of segment ``program_id(1)`` to ``out_ptr + seg * stride_ps`` instead; MULTI is
     ``NUM_SEGS > 1`` (compile-time, so one segment keeps one accumulator).
     """
@@ -58,21 +69,18 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = (rows % M).to(tl.int64)  # clamped rows/cols: loads need no masks, the store is masked
     offs_n = (cols % N).to(tl.int64)
+    seg = tl.program_id(1)  # SPLIT: this program's segment; fused: 0 (a grid of one column)
+    k_lo, k_hi = _segment_range(seg, SEG_BASE, SEG_EXTRA, K)
+    total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     if SPLIT:
-        seg = tl.program_id(1)
-        k_lo = seg * SEG_K
-        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, tl.minimum(k_lo + SEG_K, K), K,
-                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         out_ptr += seg * stride_ps
     else:
-        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, 0, tl.minimum(SEG_K, K), K,
-                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if MULTI:  # NUM_SEGS > 1
-            for seg in range(1, NUM_SEGS):
-                k_lo = seg * SEG_K
-                total += _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo,
-                                      tl.minimum(k_lo + SEG_K, K), K, stride_xm, stride_wn,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            for s in range(1, NUM_SEGS):
+                k_lo, k_hi = _segment_range(s, SEG_BASE, SEG_EXTRA, K)
+                total += _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm,
+                                      stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if HAS_BIAS:
             total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
