@@ -131,7 +131,7 @@ class TPModel:
         partials = []
         for (w, b), w_down in zip(layer.gate_up, layer.down, strict=True):
             gate, up = self.ops.linear(x, w, b).chunk(2, dim=-1)
-            partials.append(_partial(self.ops, F.silu(gate) * up, w_down))
+            partials.append(_partial(self.ops, self.ops.silu_mul(gate, up), w_down))
         out = self.group.ordered_sum(partials).to(x.dtype)
         return out if layer.down_bias is None else out + layer.down_bias
 

@@ -103,8 +103,8 @@ class MLP(nn.Module):
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
         gate, up = ops.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return ops.linear(F.silu(gate) * up, self.down_proj, self.down_bias,
-                          k_bounds=self.down_bounds)
+        act = ops.silu_mul(gate, up, self.down_bounds)
+        return ops.linear(act, self.down_proj, self.down_bias, k_bounds=self.down_bounds)
 
 
 class DecoderLayer(nn.Module):

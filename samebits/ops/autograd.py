@@ -337,6 +337,11 @@ class DifferentiableOps:
             return _Linear.apply(fwd, x, w, b)
         return fwd(x, w, b)
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
+                 ) -> torch.Tensor:
+        """Stock elementwise ops: autograd runs through the inner backend's own calls."""
+        return self.inner.silu_mul(gate, up, k_bounds)
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if _needs_grad(x, w):
             return _RMSNorm.apply(self.inner.rms_norm, x, w, eps)

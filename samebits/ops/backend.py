@@ -82,6 +82,15 @@ class OpBackend(Protocol):
         ``linear(x, w, k_bounds=k_bounds)`` adds in order."""
         ...
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
+                 ) -> torch.Tensor:
+        """SiLU(gate) * up (the MLP's activation, [T, I]). With ``k_bounds`` (down_proj's K
+        segments) an invariant backend gives each element the bits a tensor-parallel rank holding
+        only that segment's columns computes: on CPU torch's elementwise kernels round an element
+        differently in the vector body and in the scalar tail of a row, so the CPU backend runs
+        one call per segment."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32, then cast back and scaled by w (HF order)."""
         ...

@@ -16,7 +16,12 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
 - on CUDA, the ``forward`` of transformers' RMSNorm modules of the decoders the engine runs
   (``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, where their modeling
   module is imported): the engine's Triton ``rms_norm`` kernel, one row per lane group, whose bits no
-  aten-level mean can reproduce. CPU tensors keep the stock forward (its ``mean`` is overridden).
+  aten-level mean can reproduce. CPU tensors keep the stock forward (its ``mean`` is overridden);
+- the row-parallel linears of an HF decoder (the ``o_proj`` / ``down_proj`` ``nn.Linear`` of a
+  module whose ``config`` has ``num_key_value_heads``): the engine's segmented K
+  (``samebits.distributed.segments.row_parallel_bounds``). A global module forward pre-hook
+  registers their weights as such a module runs; ``mm`` / ``addmm`` of a registered weight then
+  pass its K segments to the backend's ``linear``, as the engine's decoder does.
 
 The decision: the override maps HF's ops onto the engine's arithmetic, never the reverse. The engine
 keeps one reference arithmetic per op (tiled linear, tiled stock mean / softmax / log_softmax,
@@ -51,12 +56,14 @@ import math
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
+from samebits.distributed.segments import row_parallel_bounds
 from samebits.ops.autograd import invariant_apply, rms_norm_reference
-from samebits.ops.backend import OpBackend, get_backend
+from samebits.ops.backend import KBounds, OpBackend, get_backend
 from samebits.ops.tiles import by_tiles
 
 __all__ = ["batch_invariant", "is_batch_invariant_enabled"]
@@ -84,16 +91,50 @@ def _scaled(out: torch.Tensor, bias: torch.Tensor, beta: float, alpha: float) ->
     return out + (bias if beta == 1 else bias * beta)
 
 
+# ----- HF decoders' row-parallel linears: the engine's K segments -----
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # the HF Llama family's names (the engine's too)
+# (data_ptr, shape, stride, dtype, device) of a registered weight's transpose -- the operand
+# F.linear hands to mm / addmm -- -> (a weak reference to the weight, its K segments)
+_row_parallel: dict[tuple, tuple[weakref.ref, KBounds]] = {}
+
+
+def _operand_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _register_row_parallel(module: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of every module: an HF decoder (or a part with its ``config``) registers
+    the weights of its o_proj / down_proj with S = ``config.num_key_value_heads`` segments."""
+    heads = getattr(getattr(module, "config", None), "num_key_value_heads", None)
+    if not isinstance(heads, int):
+        return
+    for name, sub in module.named_modules():
+        if name.rpartition(".")[2] in ROW_PARALLEL and isinstance(sub, torch.nn.Linear):
+            w = sub.weight
+            _row_parallel[_operand_key(w.t())] = (weakref.ref(w),
+                                                  row_parallel_bounds(w.shape[1], heads))
+
+
+def _k_bounds(b: torch.Tensor) -> KBounds | None:
+    """The K segments of mm's operand ``b`` if it is a live registered weight's transpose."""
+    entry = _row_parallel.get(_operand_key(b))
+    if entry is None:
+        return None
+    w = entry[0]()
+    return entry[1] if w is not None and w.data_ptr() == b.data_ptr() else None
+
+
 # ----- the invariant implementations (called with the stock kernels active) -----
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _backend(a).linear(a, b.t())
+    return _backend(a).linear(a, b.t(), k_bounds=_k_bounds(b))
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor:
-    if beta == 1 and alpha == 1 and bias.dim() == 1:
-        return _backend(a).linear(a, b.t(), bias)  # same bits as samebits.ops.linear
+    if beta == 1 and alpha == 1 and bias.dim() == 1:  # same bits as samebits.ops.linear
+        return _backend(a).linear(a, b.t(), bias, k_bounds=_k_bounds(b))
     return _scaled(_mm(a, b), bias, beta, alpha)
 
 
@@ -192,6 +233,7 @@ _lock = threading.Lock()
 _depth = 0
 _lib: torch.library.Library | None = None
 _undo_hf: Callable[[], None] = lambda: None  # noqa: E731
+_hook: torch.utils.hooks.RemovableHandle | None = None
 
 
 def _kernel(op: str, key: str) -> Callable[..., torch.Tensor]:
@@ -311,11 +353,13 @@ def batch_invariant() -> Iterator[None]:
     Re-entrant: nested blocks share one registration, removed when the outermost block exits
     (normally or by an exception). The overrides are process-wide while registered.
     """
-    global _depth, _lib, _undo_hf
+    global _depth, _lib, _undo_hf, _hook
     with _lock:
         if _depth == 0:
             _lib = _register()
             _undo_hf = _route_hf()
+            _hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                _register_row_parallel)
         _depth += 1
     try:
         yield
@@ -326,3 +370,5 @@ def batch_invariant() -> Iterator[None]:
                 _lib._destroy()
                 _lib = None
                 _undo_hf()
+                _hook.remove()
+                _row_parallel.clear()

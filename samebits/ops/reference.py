@@ -5,6 +5,7 @@
   ``k_bounds`` (segmented K, ``samebits.ops.backend``): one such chain per K segment, from zero,
   over that segment's columns (one kernel call per segment on its contiguous slice, the weight's
   K slices packed once and kept), the fp32 partials added in segment order.
+- ``silu_mul`` with ``k_bounds``: one SiLU call per down_proj K segment (a rank's shapes).
 - row reductions (RMSNorm, softmax, log_softmax) run tile by tile on ``[TILE_M, H]`` blocks, so the
   library underneath always sees one problem shape.
 - ``split_attention`` (decoder and encoder alike): each (query, head) reduces its keys in splits of
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels
 from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, ordered_sum, register
@@ -80,6 +82,16 @@ def _packed_segments(w: torch.Tensor, dtype: torch.dtype, k_bounds: KBounds
         setattr(w, _SEGMENT_PACKS, (key, packs))
     return packs
 
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
+             ) -> torch.Tensor:
+    """SiLU(gate) * up, one call per K segment of down_proj on that segment's columns: the
+    shapes a tensor-parallel rank sees (torch's CPU SiLU rounds the scalar tail of a row
+    differently from its vector body, so the row length must match)."""
+    if k_bounds is None:
+        return F.silu(gate) * up
+    return torch.cat([F.silu(gate[..., lo:hi]) * up[..., lo:hi] for lo, hi in k_bounds], dim=-1)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,6 +157,7 @@ class ReferenceBackend:
 
     linear = staticmethod(linear)
     linear_partials = staticmethod(linear_partials)
+    silu_mul = staticmethod(silu_mul)
     rms_norm = staticmethod(rms_norm)
     softmax = staticmethod(softmax)
     log_softmax = staticmethod(log_softmax)

@@ -30,6 +30,10 @@ class StandardBackend:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         return torch.stack([F.linear(x[..., lo:hi], w[:, lo:hi]).to(acc) for lo, hi in k_bounds])
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
+                 ) -> torch.Tensor:
+        return F.silu(gate) * up
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

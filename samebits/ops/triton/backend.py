@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from samebits.ops.backend import AttentionMetadata, KBounds, register
 from samebits.ops.triton import attention, linear, rms_norm, softmax
@@ -45,6 +46,11 @@ class TritonBackend:
     def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
                         ) -> torch.Tensor:
         return linear.partials(x, w, k_bounds)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
+                 ) -> torch.Tensor:
+        """One elementwise pass: a CUDA element's bits do not depend on the tensor's shape."""
+        return F.silu(gate) * up
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm.rms_norm(x, w, eps)
