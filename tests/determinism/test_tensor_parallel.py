@@ -1,8 +1,9 @@
-"""Tensor parallel keeps the bits: on CPU (gloo), a model sharded over 2 and 3 processes returns
-bitwise the tokens and logprobs of ``tensor_parallel_size=1`` (the same segmented arithmetic on one
-process), and a prompt scored through TP equals its generation. Negative controls: the plain
-single-device arithmetic (no segments) gives other bits, and adding the same partials grouped by
-rank first (what an all-reduce of rank sums does) changes the sum with N."""
+"""Tensor parallel keeps the bits, and the default engine has them: on CPU (gloo), ``LLM()`` (one
+device, ``tensor_parallel_size`` left at 1), ``tensor_parallel_size=1`` and a model sharded over 2
+and 3 processes return bitwise the same tokens, logprobs, scores and fingerprint, and a prompt
+scored through TP equals its generation. Negative controls: the plain unsegmented arithmetic (one
+K chain for o_proj and down_proj) gives other bits on the same inputs, and adding the same
+partials grouped by rank first (what an all-reduce of rank sums does) changes the sum with N."""
 
 from __future__ import annotations
 
@@ -25,16 +26,18 @@ PARAMS = [SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
           SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)]
 
 
-def _run(path: str, tp: int | None) -> tuple[list, list, str]:
-    llm = LLM(path, load_format="dummy", tensor_parallel_size=tp, num_kv_blocks=64)
+def _outputs(llm: LLM) -> tuple[list, list, str]:
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
+    scored = llm.score([PROMPTS[1] + outs[1].token_ids])
+    return [(o.token_ids, o.logprobs) for o in outs], scored, llm.fingerprint
+
+
+def _run(path: str, **options) -> tuple[list, list, str]:
+    llm = LLM(path, load_format="dummy", num_kv_blocks=64, **options)
     try:
-        outs = llm.generate(PROMPTS, PARAMS)
-        outs = [o.outputs[0] for o in outs]
-        scored = llm.score([PROMPTS[1] + outs[1].token_ids])
-        return [(o.token_ids, o.logprobs) for o in outs], scored, llm.fingerprint
+        return _outputs(llm)
     finally:
-        if tp is not None:
-            shutdown(llm)
+        shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +47,32 @@ def dummy_config(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_tp_2_and_3_gloo_processes_equal_tp_1_bitwise(dummy_config):
-    one, one_scored, fp1 = _run(dummy_config, 1)
-    assert one[1][1] == one_scored[0][len(PROMPTS[1]) - 1:]  # score == generate under TP
-    for n in (2, 3):
-        outs, scored, fp = _run(dummy_config, n)
-        assert outs == one, f"TP={n} differs from TP=1"
-        assert scored == one_scored and fp == fp1
+@pytest.fixture(scope="module")
+def default_run(dummy_config) -> tuple[list, list, str]:
+    """``LLM(path)`` with no tensor-parallel option: one device, the default arithmetic."""
+    return _run(dummy_config)
 
 
-def test_negative_control_plain_arithmetic_differs_from_segmented(dummy_config):
-    plain, _, fp_plain = _run(dummy_config, None)
-    segmented, _, fp = _run(dummy_config, 1)
-    assert plain != segmented and fp_plain != fp
+def test_default_llm_equals_tp_1_bitwise(dummy_config, default_run):
+    outs, scored, fp = default_run
+    assert outs[1][1] == scored[0][len(PROMPTS[1]) - 1:]  # score == generate
+    assert _run(dummy_config, tensor_parallel_size=1) == (outs, scored, fp)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tp_n_gloo_processes_equal_default_llm_bitwise(dummy_config, default_run, n):
+    outs, scored, fp = _run(dummy_config, tensor_parallel_size=n)
+    assert outs == default_run[0], f"TP={n} differs from LLM()"
+    assert scored == default_run[1] and fp == default_run[2]
+
+
+def test_negative_control_plain_unsegmented_arithmetic_differs(dummy_config, default_run):
+    """The same engine with o_proj and down_proj as one K chain each (no segments)."""
+    llm = LLM(dummy_config, load_format="dummy", num_kv_blocks=64)
+    for layer in llm.engine.runner.model.layers:
+        layer.self_attn.o_bounds = layer.mlp.down_bounds = None
+    plain, plain_scored, _ = _outputs(llm)
+    assert plain != default_run[0] and plain_scored != default_run[1]
 
 
 def test_negative_control_rank_grouped_sums_depend_on_n():
@@ -74,7 +90,7 @@ def test_negative_control_rank_grouped_sums_depend_on_n():
 
 
 @pytest.mark.slow
-def test_default_model_tp_3_equals_tp_1():
+def test_default_model_tp_3_equals_default_llm():
     """SmolLM2-135M: 9 query heads, 3 KV heads, so N = 3."""
     texts = ["The sea is", "Write one sentence about reproducibility."]
     params = SamplingParams(max_tokens=4, temperature=0.8, seed=5)

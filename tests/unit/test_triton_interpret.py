@@ -83,6 +83,54 @@ def test_linear_split_equals_fused_and_public_api() -> None:
                                rtol=1e-2, atol=1e-2)
 
 
+def _near_equal(k: int, s: int) -> tuple[tuple[int, int], ...]:
+    from samebits.distributed.segments import row_parallel_bounds
+    return row_parallel_bounds(k, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("k,s", [(200, 6), (600, 3), (512, 2)])
+def test_linear_k_bounds_is_the_ordered_sum_of_segments_alone(dtype, k, s) -> None:
+    """Segmented K (o_proj / down_proj): each segment's fp32 partial equals the one-segment
+    product of its contiguous slice (a TP rank's), summed in order, cast once, then the bias."""
+    torch.manual_seed(6)
+    x, w = torch.randn(40, k).to(dtype), (torch.randn(24, k) / k ** 0.5).to(dtype)
+    b = torch.randn(24).to(dtype)
+    kb = _near_equal(k, s)
+    alone = [L.partials(x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous(), ((0, hi - lo),))[0]
+             for lo, hi in kb]
+    acc = alone[0].clone()
+    for p in alone[1:]:
+        acc += p
+    want = acc.to(dtype) + b
+    got = L.linear(x, w, b, k_bounds=kb)
+    assert torch.equal(got, want)
+    assert torch.equal(L.partials(x, w, kb), torch.stack(alone))
+    for m in (1, 7, 17):
+        assert torch.equal(L.linear(x[5:5 + m], w, b, k_bounds=kb), got[5:5 + m])
+    layout = L.SegmentLayout.from_bounds(kb, k)
+    fused, split = torch.empty_like(got), torch.empty_like(got)
+    L.run(x, w, None, fused, CFG, layout, split=False)
+    L.run(x, w, None, split, CFG, layout, split=True)
+    assert torch.equal(fused, split) and torch.equal(fused, acc.to(dtype))
+
+
+def test_negative_control_one_k_chain_differs_from_segments() -> None:
+    torch.manual_seed(7)
+    x = torch.randn(40, 600) * torch.logspace(0, 2, 600)
+    w = torch.randn(24, 600) / 25
+    assert not torch.equal(L.linear(x, w), L.linear(x, w, k_bounds=_near_equal(600, 3)))
+
+
+def test_segment_layout_takes_only_near_equal_bounds() -> None:
+    assert L.SegmentLayout.from_bounds(((0, 34), (34, 68), (68, 101)), 101) == \
+        L.SegmentLayout(3, 33, 2)
+    with pytest.raises(ValueError):
+        L.SegmentLayout.from_bounds(((0, 10), (10, 30)), 30)
+    with pytest.raises(ValueError):
+        L.SegmentLayout.from_bounds(((0, 33), (33, 67)), 67)  # the longer one last
+
+
 @pytest.mark.parametrize("h", [48, 300])
 def test_rms_norm_rows(h: int) -> None:
     torch.manual_seed(2)
