@@ -4,7 +4,9 @@ and logits call rank 0 runs, in the same order (rank 0 broadcasts each call's in
 
 ``enable_tensor_parallel(runner, loaded, config)`` swaps the runner's model for the driver and its
 KV caches for this rank's per-group caches. The engine's fingerprint does not change: the
-single-device model already computes the segmented arithmetic, the same for every N.
+single-device model already computes the segmented arithmetic, the same for every N. Every rank
+keeps its full model: ``LLM.update_weights`` writes it (rank 0 first, which checks the tensors;
+then each worker) and each rank re-copies its shards from it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup
 from samebits.distributed.model import TPModel
 from samebits.distributed.segments import Segments
+from samebits.models.weights import update_weights
 from samebits.ops.backend import AttentionMetadata
 
 
@@ -47,8 +50,8 @@ class TPDriver:
     """Rank 0's model, as the runner sees it: ``model(ids, pos, caches, meta)``, ``.ops``,
     ``compute_logits``; every call is mirrored on the workers."""
 
-    def __init__(self, tp: TPModel, group: TPGroup, workers: list) -> None:
-        self.tp, self.group, self.workers = tp, group, workers
+    def __init__(self, tp: TPModel, full, group: TPGroup, workers: list) -> None:
+        self.tp, self.full, self.group, self.workers = tp, full, group, workers
         self.ops, self.cfg = tp.ops, tp.cfg
         self._closed = False
 
@@ -64,6 +67,12 @@ class TPDriver:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._send("logits", hidden)
         return self.tp.compute_logits(hidden)
+
+    def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """After ``update_weights(full, items)`` on rank 0 (checked there, all or nothing): every
+        worker applies the same items to its full model, and every rank re-copies its shards."""
+        self._send("update", [(name, t.detach().cpu()) for name, t in items])
+        self.tp.refresh(self.full)
 
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
@@ -99,7 +108,7 @@ def enable_tensor_parallel(runner, loaded, config: EngineConfig) -> None:
         w.start()
     group = TPGroup(0, world, runner.device, init)
     tp = TPModel(loaded.model, group)
-    driver = TPDriver(tp, group, workers)
+    driver = TPDriver(tp, loaded.model, group, workers)
     runner.model, runner.graphs = driver, None
     runner.kv_caches = tp.allocate_caches(runner.num_blocks + 1, config.block_size)
     weakref.finalize(runner, driver.close)
@@ -120,7 +129,8 @@ def _worker_main(config: EngineConfig, rank: int, init: str, num_blocks: int,
     config = dataclasses.replace(config, device=_device(config, rank))
     loaded = load(config)
     group = TPGroup(rank, config.tensor_parallel_size, config.torch_device, init)
-    tp = TPModel(loaded.model, group)
+    full = loaded.model  # kept: weight updates are applied to it, then re-sharded
+    tp = TPModel(full, group)
     del loaded
     caches = tp.allocate_caches(num_blocks, config.block_size)
     dev = config.torch_device
@@ -135,6 +145,17 @@ def _worker_main(config: EngineConfig, rank: int, init: str, num_blocks: int,
             if kind == "forward":
                 ids, pos, meta = _to(payload, dev)
                 tp.forward(ids, pos, caches, tp.ops.plan_attention(meta))
+            elif kind == "update":
+                _apply_update(full, tp, payload)
             else:
                 tp.compute_logits(_to(payload, dev))
     group.close()
+
+
+def _apply_update(full, tp: TPModel, items: list[tuple[str, torch.Tensor]]) -> None:
+    """A worker's side of ``TPDriver.weights_updated``: rank 0 checked the items already."""
+    update_weights(full, items)
+    hook = getattr(full.ops, "weights_updated", None)
+    if hook is not None:
+        hook(full)
+    tp.refresh(full)

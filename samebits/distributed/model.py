@@ -80,6 +80,22 @@ class TPModel:
         self.vocab_bounds = torch.tensor([seg.vocab_range(cfg, r)[1]
                                           for r in range(group.world_size)])
 
+    def _shards(self) -> list[torch.Tensor | None]:
+        """Every tensor this rank copied out of the full model, in a fixed order."""
+        out = [self.embed, *self.head]
+        for layer in self.layers:
+            out += [t for wb in layer.qkv + layer.gate_up for t in wb] + layer.o + layer.down
+        return out
+
+    def refresh(self, full: LlamaForCausalLM) -> None:
+        """Copy this rank's segments of ``full``'s (updated) weights into the shards, in place;
+        the norms are ``full``'s own parameters, already updated."""
+        fresh = TPModel(full, self.group)
+        with torch.no_grad():
+            for mine, new in zip(self._shards(), fresh._shards(), strict=True):
+                if mine is not None:
+                    mine.copy_(new)
+
     def allocate_caches(self, num_blocks: int, block_size: int) -> list[GroupCache]:
         """Per layer, per owned KV group: zeroed (k, v) caches [num_blocks, block_size, 1, D]."""
         shape = (num_blocks, block_size, 1, self.d)

@@ -242,15 +242,19 @@ class LLMEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("update_weights: requests are in flight; drain the engine first")
-        items = update_weights(self.runner.model, named_tensors)
+        model = self.loaded.model  # the full model (under tensor parallel: rank 0's)
+        items = update_weights(model, named_tensors)
         h = hashlib.sha256(self.fingerprint.encode())
         for name, tensor in sorted(items, key=lambda it: it[0]):
             h.update(name.encode())
             h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self.fingerprint = self.loaded.fingerprint = "fp_" + h.hexdigest()[:16]
-        hook = getattr(self.runner.model.ops, "weights_updated", None)
+        hook = getattr(model.ops, "weights_updated", None)
         if hook is not None:  # a backend that keeps repacked weights refreshes them
-            hook(self.runner.model)
+            hook(model)
+        shards = getattr(self.runner.model, "weights_updated", None)
+        if shards is not None:  # tensor parallel: every rank updates and re-shards
+            shards(items)
         self.kv.set_fingerprint(self.fingerprint)
         return self.fingerprint
 

@@ -72,7 +72,7 @@ class TrainableLM(nn.Module):
         engine = llm.engine
         src = _Source(engine.config, engine.loaded.model_config, engine.loaded.model_dir,
                       engine.max_model_len)
-        return cls(_from=(engine.runner.model, src))
+        return cls(_from=(engine.loaded.model, src))
 
     @property
     def device(self) -> torch.device:

@@ -75,6 +75,31 @@ def test_negative_control_plain_unsegmented_arithmetic_differs(dummy_config, def
     assert plain != default_run[0] and plain_scored != default_run[1]
 
 
+def _new_weights(path: str) -> list[tuple[str, torch.Tensor]]:
+    """Every row-parallel, column-parallel and vocab-parallel kind of weight, changed."""
+    llm = LLM(path, load_format="dummy", num_kv_blocks=64, seed=1)  # other random weights
+    wanted = ("layers.0.self_attn.o_proj", "layers.1.mlp.down_proj", "layers.0.self_attn.q_proj",
+              "layers.1.mlp.up_proj", "embed_tokens", "lm_head", "layers.0.input_layernorm")
+    return [(n, t.clone()) for n, t in llm.named_weights() if any(w in n for w in wanted)]
+
+
+def _run_updated(path: str, new, **options) -> tuple[list, list, str]:
+    llm = LLM(path, load_format="dummy", num_kv_blocks=64, **options)
+    try:
+        llm.update_weights(new)
+        return _outputs(llm)
+    finally:
+        shutdown(llm)
+
+
+def test_update_weights_reaches_every_rank_tp_2_equals_tp_1(dummy_config, default_run):
+    new = _new_weights(dummy_config)
+    assert len(new) == 7
+    one = _run_updated(dummy_config, new)
+    assert one[0] != default_run[0] and one[2] != default_run[2]  # the update changed the bits
+    assert _run_updated(dummy_config, new, tensor_parallel_size=2) == one
+
+
 def test_negative_control_rank_grouped_sums_depend_on_n():
     gen = torch.Generator().manual_seed(0)
     parts = torch.randn(6, 64, 96, generator=gen) * torch.logspace(0, 3, 96)
