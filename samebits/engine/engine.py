@@ -6,6 +6,7 @@ bits; that is the ops' job (samebits.ops.backend) and the sampler's (counter-bas
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
@@ -39,8 +40,9 @@ class EngineStats:
 class LLMEngine:
     """The engine's interface: ``add_request``, ``abort``, ``step`` (the sequences that made
     progress; finished ones are forgotten by the engine once returned), ``completion`` (a
-    sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats`` and
-    ``update_weights``. Not thread-safe: one thread drives it."""
+    sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats``,
+    ``update_weights``, and for pausing a request mid-way ``park`` / ``unpark`` /
+    ``parked_blocks_needed`` / ``prefix_cache_bypassed``. Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -57,6 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
                                    config.prefill_chunk_tokens)
         self.requests: dict[str, Sequence] = {}
+        self._parked: dict[str, bool] = {}  # parked request id -> it was running (holds blocks)
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
@@ -143,9 +146,43 @@ class LLMEngine:
                              f"{capacity} (num_kv_blocks x block_size)")
 
     def abort(self, request_id: str) -> None:
+        """Finish the request (parked or not) and free its KV blocks; unknown ids are ignored."""
+        if request_id in self._parked:
+            self.unpark(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+
+    # ---- parked requests (the server's determinism canary pauses its replays) ---------------
+    def park(self, request_id: str) -> None:
+        """Take an unfinished request out of scheduling, keeping its progress and KV blocks:
+        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` (back to the
+        queue it left, running or waiting) or ``abort``."""
+        seq, sched = self.requests[request_id], self.scheduler
+        running = seq in sched.running
+        (sched.running if running else sched.waiting).remove(seq)
+        self._parked[request_id] = running
+
+    def unpark(self, request_id: str) -> None:
+        running = self._parked.pop(request_id)
+        (self.scheduler.running if running else self.scheduler.waiting).append(
+            self.requests[request_id])
+
+    def parked_blocks_needed(self) -> bool:
+        """Whether parked requests hold KV blocks the queue waits for: one was parked running
+        (it holds blocks), nothing runs, and requests wait."""
+        sched = self.scheduler
+        return any(self._parked.values()) and not sched.running and bool(sched.waiting)
+
+    @contextlib.contextmanager
+    def prefix_cache_bypassed(self) -> Iterator[None]:
+        """Steps inside neither read nor fill the prefix cache (a replay computes everything)."""
+        saved = self.kv.enable_prefix_caching
+        self.kv.enable_prefix_caching = False
+        try:
+            yield
+        finally:
+            self.kv.enable_prefix_caching = saved
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

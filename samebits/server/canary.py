@@ -50,8 +50,7 @@ class Canary:
         self._rng = random.Random(seed)
         self._pending: deque[CanaryJob] = deque()
         self._count = 0
-        self._active: tuple[CanaryJob, Sequence] | None = None  # a replay parked mid-way
-        self._parked_running = False  # it was parked from the running list (it holds KV blocks)
+        self._active: tuple[CanaryJob, Sequence] | None = None  # a replay, maybe parked mid-way
 
     @property
     def pending(self) -> bool:
@@ -78,22 +77,18 @@ class Canary:
         """Run the parked replay, or start the oldest queued one, alone until it finishes or
         ``busy`` says work arrived; then it is parked: out of the scheduler, its KV blocks kept,
         resumed alone at the next idle time. The engine must have no other request in flight."""
-        kv, saved = engine.kv, engine.kv.enable_prefix_caching
-        kv.enable_prefix_caching = False  # neither reads nor fills the prefix cache
         try:
-            job, seq = self._resume(engine)
-            while not seq.is_finished:
-                if busy():
-                    self._park(engine, seq)
-                    return
-                engine.step()
+            with engine.prefix_cache_bypassed():
+                job, seq = self._resume(engine)
+                while not seq.is_finished:
+                    if busy():
+                        engine.park(seq.request_id)
+                        return
+                    engine.step()
         except Exception:
             log.exception("canary replay failed")
             self.abort_parked(engine, requeue=False)
             return
-        finally:
-            kv.enable_prefix_caching = saved
-        engine.requests.pop(seq.request_id, None)
         self._active = None
         self._check(job, output_hash([(seq.output_token_ids, seq.logprobs)]))
 
@@ -106,17 +101,8 @@ class Canary:
             self._active = (job, seq)
             return job, seq
         job, seq = self._active
-        self._unpark(engine, seq)
+        engine.unpark(seq.request_id)
         return job, seq
-
-    def _park(self, engine: LLMEngine, seq: Sequence) -> None:
-        sched = engine.scheduler
-        self._parked_running = seq in sched.running
-        (sched.running if self._parked_running else sched.waiting).remove(seq)
-
-    def _unpark(self, engine: LLMEngine, seq: Sequence) -> None:
-        sched = engine.scheduler
-        (sched.running if self._parked_running else sched.waiting).append(seq)
 
     def abort_parked(self, engine: LLMEngine, requeue: bool = True) -> None:
         """Give up the parked replay (freeing its KV blocks); ``requeue``: start it over later."""
@@ -124,10 +110,7 @@ class Canary:
             return
         job, seq = self._active
         self._active = None
-        if not seq.is_finished and seq not in engine.scheduler.running and \
-                seq not in engine.scheduler.waiting:
-            self._unpark(engine, seq)
-        engine.abort(seq.request_id)
+        engine.abort(seq.request_id)  # parked or not
         if requeue:
             self._pending.appendleft(job)
 
@@ -139,9 +122,7 @@ class Canary:
 
     def holds_blocks_needed(self, engine: LLMEngine) -> bool:
         """True when the parked replay's blocks stop the queue: nothing runs and some wait."""
-        sched = engine.scheduler
-        return self._active is not None and self._parked_running and not sched.running \
-            and bool(sched.waiting)
+        return self._active is not None and engine.parked_blocks_needed()
 
     def _check(self, job: CanaryJob, got: str) -> None:
         self.metrics.canary_checks.inc()

@@ -61,3 +61,31 @@ def test_a_served_hash_that_differs_is_a_mismatch(engine):
     assert canary._pending[0].expected == output_hash([(seq.output_token_ids, seq.logprobs)])
     canary.replay(engine, busy=lambda: False)
     assert canary.metrics.canary_mismatches._value.get() == 1
+
+
+def test_engine_park_keeps_blocks_and_progress_abort_frees_them(engine):
+    """The engine API the canary uses: a parked request is not scheduled nor counted, keeps its
+    KV blocks, resumes to the bits it would have had, and abort of a parked one frees them."""
+    want = _served(engine, "r0", [1, 2, 3])
+    seq = engine.add_request("r1", [1, 2, 3], PARAMS)
+    engine.step()
+    engine.step()
+    engine.park("r1")
+    used = engine.stats().kv_blocks_used
+    assert not engine.has_unfinished() and used > 0 and engine.step() == []
+    engine.add_request("r2", [4, 5], PARAMS)
+    assert engine.parked_blocks_needed()  # nothing runs, r2 waits: the parked blocks may block
+    engine.step()
+    assert not engine.parked_blocks_needed()  # r2 runs beside the parked r1
+    list(engine.run_to_completion())
+    engine.unpark("r1")
+    list(engine.run_to_completion())
+    assert (seq.output_token_ids, seq.logprobs) == (want.output_token_ids, want.logprobs)
+    engine.add_request("r3", [1, 2, 3], PARAMS)
+    engine.step()
+    engine.park("r3")
+    with engine.prefix_cache_bypassed():
+        assert not engine.kv.enable_prefix_caching
+    assert engine.kv.enable_prefix_caching
+    engine.abort("r3")
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
