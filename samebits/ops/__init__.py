@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from samebits.ops.backend import AttentionMetadata, OpBackend, get_backend, store_kv
+from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend, get_backend, store_kv
 
 __all__ = ["AttentionMetadata", "OpBackend", "get_backend", "store_kv", "linear", "rms_norm",
            "softmax", "log_softmax", "attention"]
@@ -16,8 +16,10 @@ def _invariant(x: torch.Tensor) -> OpBackend:
     return get_backend(x.device, batch_invariant=True)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return _invariant(x).linear(x, w, b)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           k_bounds: KBounds | None = None) -> torch.Tensor:
+    """With ``k_bounds``: the segmented-K product (``samebits.ops.backend``)."""
+    return _invariant(x).linear(x, w, b, k_bounds=k_bounds)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
