@@ -28,7 +28,9 @@ keeps one reference arithmetic per op (tiled linear, tiled stock mean / softmax 
 fixed-split attention); under ``batch_invariant()`` a stock HF model of the engine's weights
 (``attn_implementation="sdpa"``) runs that same arithmetic op for op, so its logits' log_softmax
 is bitwise the engine's sampled logprobs (CPU fp32 tested). Elementwise ops (embedding, RoPE,
-SiLU, residual adds, the casts) already agree. On CUDA the engine's RMSNorm is one Triton kernel,
+SiLU, residual adds, the casts) already agree (the engine's CPU SiLU runs per down_proj segment;
+HF's one call over the row agrees when the segment lengths are multiples of the vector width,
+as in the default model, not in general). On CUDA the engine's RMSNorm is one Triton kernel,
 so there the norm module itself is routed to it. Backward: the aten overrides sit below autograd,
 so stock derivative formulas run (their matmuls invariant too); the attention entry and the CUDA
 norm route have a recompute backward (``samebits.ops.autograd``).
