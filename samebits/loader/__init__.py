@@ -70,7 +70,8 @@ def load(config: EngineConfig) -> LoadedModel:
         digest = hf.weights_digest(files)
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
     return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
-                       fingerprint(digest, dtype, config, ops.name, model_config))
+                       fingerprint(digest, dtype, config, ops.name, model_config,
+                                   ops.row_parallel_segments or config.tensor_parallel_size > 1))
 
 
 def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
@@ -86,16 +87,16 @@ def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.devi
 
 
 def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: str,
-                model_config: ModelConfig | None = None) -> str:
+                model_config: ModelConfig | None = None, segmented: bool = True) -> str:
     """``fp_`` + 16 hex: everything that decides the bits of a token's KV and logits. A backend's
     own constants (the CPU tile and kernel arithmetic, the Triton block sizes) arrive in its name;
-    a decoder's row-parallel K segments (``model_config``) in ``k-segments``. The invariant
-    arithmetic is the same for every tensor-parallel size, so that size enters only in the
-    standard mode (whose bits it changes)."""
+    a decoder's row-parallel K segments (``model_config``; 1 where its linears run one K chain,
+    ``segmented`` False) in ``k-segments``; the standard mode's tensor-parallel size, which
+    changes its bits, in ``tp``."""
     parts = [digest, str(dtype), ENGINE_VERSION, backend, f"split={config.attention_split_size}",
              f"invariant={config.batch_invariant}"]
     if model_config is not None:
-        parts.append(f"k-segments={model_config.num_key_value_heads}")
+        parts.append(f"k-segments={model_config.num_key_value_heads if segmented else 1}")
         if not config.batch_invariant:
             parts.append(f"tp={config.tensor_parallel_size}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -87,8 +87,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
-        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj,
-                          k_bounds=self.o_bounds)  # [T, H]
+        bounds = self.o_bounds if ops.row_parallel_segments else None
+        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj, k_bounds=bounds)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -103,8 +103,9 @@ class MLP(nn.Module):
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
         gate, up = ops.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        act = ops.silu_mul(gate, up, self.down_bounds)
-        return ops.linear(act, self.down_proj, self.down_bias, k_bounds=self.down_bounds)
+        bounds = self.down_bounds if ops.row_parallel_segments else None
+        act = ops.silu_mul(gate, up, bounds)
+        return ops.linear(act, self.down_proj, self.down_bias, k_bounds=bounds)
 
 
 class DecoderLayer(nn.Module):

@@ -327,6 +327,7 @@ class DifferentiableOps:
     def __init__(self, inner: OpBackend) -> None:
         self.inner = inner
         self.name, self.batch_invariant = inner.name, inner.batch_invariant
+        self.row_parallel_segments = inner.row_parallel_segments
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

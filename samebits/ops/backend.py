@@ -69,6 +69,9 @@ class OpBackend(Protocol):
 
     name: str
     batch_invariant: bool
+    # whether a decoder's row-parallel linears (o_proj, down_proj) run over their K segments by
+    # default, i.e. one device computes the bits of every tensor-parallel size
+    row_parallel_segments: bool
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

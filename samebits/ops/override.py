@@ -129,14 +129,21 @@ def _k_bounds(b: torch.Tensor) -> KBounds | None:
 
 # ----- the invariant implementations (called with the stock kernels active) -----
 
+def _segments(backend: OpBackend, b: torch.Tensor) -> KBounds | None:
+    """``_k_bounds(b)`` where ``backend`` segments row-parallel linears (as the engine does)."""
+    return _k_bounds(b) if backend.row_parallel_segments else None
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _backend(a).linear(a, b.t(), k_bounds=_k_bounds(b))
+    backend = _backend(a)
+    return backend.linear(a, b.t(), k_bounds=_segments(backend, b))
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor:
     if beta == 1 and alpha == 1 and bias.dim() == 1:  # same bits as samebits.ops.linear
-        return _backend(a).linear(a, b.t(), bias, k_bounds=_k_bounds(b))
+        backend = _backend(a)
+        return backend.linear(a, b.t(), bias, k_bounds=_segments(backend, b))
     return _scaled(_mm(a, b), bias, beta, alpha)
 
 

@@ -154,6 +154,7 @@ class ReferenceBackend:
     # the constants that decide the bits enter the CPU fingerprint through this name
     name = f"reference-cpu|tile_m={TILE_M}|{cpu_kernels.ARITHMETIC}"
     batch_invariant = True
+    row_parallel_segments = True  # in-kernel segments: free
 
     linear = staticmethod(linear)
     linear_partials = staticmethod(linear_partials)

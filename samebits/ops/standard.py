@@ -18,6 +18,7 @@ from samebits.ops.backend import AttentionMetadata, KBounds, register
 class StandardBackend:
     name = "standard"
     batch_invariant = False
+    row_parallel_segments = False  # stock kernels pick their own K order
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

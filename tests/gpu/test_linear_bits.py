@@ -22,8 +22,7 @@ ZOO = [L.GemmConfig(16, 32, 256, 4, 4), L.GemmConfig(16, 64, 128, 4, 3),
        L.GemmConfig(64, 128, 64, 4, 4), L.GemmConfig(128, 128, 64, 8, 3),
        L.GemmConfig(128, 256, 64, 8, 3), L.GemmConfig(128, 64, 32, 4, 5),
        L.GemmConfig(64, 128, 64, 4, 4, tma=True), L.GemmConfig(128, 128, 64, 4, 4, tma=True),
-       L.GemmConfig(128, 256, 64, 8, 3, tma=True), L.GemmConfig(128, 128, 64, 8, 4, tma=True),
-       L.GemmConfig(128, 128, 64, 8, 4, tma=True, ws=True)]
+       L.GemmConfig(128, 256, 64, 8, 3, tma=True), L.GemmConfig(128, 128, 64, 8, 4, tma=True)]
 
 
 def _data(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):

@@ -86,6 +86,13 @@ def uneven_config(tmp_path_factory) -> str:
     return str(path)
 
 
+def _cuda_segments() -> bool:
+    from samebits.ops.triton.backend import TritonBackend
+    return TritonBackend.row_parallel_segments
+
+
+@pytest.mark.xfail(not _cuda_segments(), strict=True,
+                   reason="on CUDA the default keeps one K chain (TritonBackend.row_parallel_segments)")
 @pytest.mark.parametrize("which", ["qwen3-tiny", "uneven"])
 def test_default_engine_equals_one_rank_tp_model(which, uneven_config):
     config = QWEN3_TINY if which == "qwen3-tiny" else uneven_config

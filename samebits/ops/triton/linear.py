@@ -86,6 +86,10 @@ class SegmentLayout:
         return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
 
 
+# the pointer kernel's tile for segmented products above SPLIT_MAX_M rows (the fused schedule)
+SEGMENTED_FUSED = GemmConfig(128, 128, 64, 8, 3)
+
+
 def num_segments(k: int, n: int) -> int:
     """Ordered K segments: a function of the weight shape alone (never of M).
 
@@ -130,8 +134,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     m = x2.shape[0]
     out = x.new_empty(m, n)
     segments = num_segments(k, n) if k_bounds is None else SegmentLayout.from_bounds(k_bounds, k)
+    cfg = pick_config(m, n, k, x.dtype)
+    if k_bounds is not None and m > SPLIT_MAX_M and x.dtype != torch.float32:
+        cfg = SEGMENTED_FUSED  # two tile accumulators in registers: the TMA tiles would spill
     if m and n:
-        run(x2, w, b if k_bounds is None else None, out, pick_config(m, n, k, x.dtype), segments)
+        run(x2, w, b if k_bounds is None else None, out, cfg, segments)
     if k_bounds is not None and b is not None:
         out = out + b
     return out.reshape(*lead, n)
