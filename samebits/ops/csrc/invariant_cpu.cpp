@@ -113,6 +113,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n) {
 }
 
 // ---------------------------------------------------------------- attention
+// The scalar path runs one (query, head) at a time. The AVX2 path runs a work item -- up to QROWS
+// query rows of one sequence with every query head of one kv head -- so each key is loaded once for
+// all the item's queries; each (query, head) still performs exactly the scalar path's operations.
+constexpr int64_t QROWS = 16;  // query rows per AVX2 work item
+constexpr int PV_ROWS = 6;     // queries per tile of the AVX2 p @ V product
+
+template <typename T>
+T exp_(T x) { return std::exp(x); }
+
 template <typename T>
 T dot_scalar(const T* q, const T* k, int64_t D) {
   T lane[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -120,45 +129,32 @@ T dot_scalar(const T* q, const T* k, int64_t D) {
   return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
 }
 
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* q, const float* k, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += LANES)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));  // l, l+4
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // (0+4)+(2+6), (1+5)+(3+7)
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// acc[d] = fma(p, v[d], acc[d]) / acc[d] = fma(acc_s[d], b, acc[d] * a)
+// Folds split s (max m_s, sum l_s, acc_s) into a query's running (m, l, acc); `first`: s is split 0.
 template <typename T>
-void axpy_scalar(T p, const T* v, T* acc, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
-}
-
-__attribute__((target("avx2,fma"))) void axpy_avx2(float p, const float* v, float* acc, int64_t D) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < D; d += LANES)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+void merge_split(bool first, T m_s, T l_s, const T* acc_s, T& m, T& l, T* acc, int64_t D) {
+  if (first) {
+    m = m_s, l = l_s;
+    std::copy(acc_s, acc_s + D, acc);
+    return;
+  }
+  const T m_new = std::max(m, m_s), a = exp_(m - m_new), c = exp_(m_s - m_new);
+  for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(acc_s[d], c, acc[d] * a);
+  l = std::fma(l_s, c, l * a);
+  m = m_new;
 }
 
 template <typename T>
 struct Attn {
   const T* q; const T* k; const T* v; const int32_t* tables; const int32_t* q_seq;
-  const int32_t* q_nkeys; T* out; int64_t hq, hkv, D, bs, max_blocks, split; T scale; bool vec;
+  const int32_t* q_nkeys; T* out; int64_t hq, hkv, D, bs, max_blocks, split; T scale;
 
-  T dot(const T* a, const T* b) const {
-    if constexpr (std::is_same_v<T, float>) { if (vec) return dot_avx2(a, b, D); }
-    return dot_scalar<T>(a, b, D);
-  }
-  void axpy(T p, const T* x, T* acc) const {
-    if constexpr (std::is_same_v<T, float>) { if (vec) return axpy_avx2(p, x, acc, D); }
-    axpy_scalar<T>(p, x, acc, D);
-  }
   int64_t slot(int64_t b, int64_t j) const {
     return int64_t(tables[b * max_blocks + j / bs]) * bs + j % bs;
   }
+  const T* key(int64_t b, int64_t j, int64_t kh) const { return k + (slot(b, j) * hkv + kh) * D; }
+  const T* val(int64_t b, int64_t j, int64_t kh) const { return v + (slot(b, j) * hkv + kh) * D; }
 
-  // one (query row t, query head h)
+  // one (query row t, query head h), scalar
   void run(int64_t t, int64_t h, T* qs, T* scores, T* acc_s, T* acc) const {
     const int64_t b = q_seq[t], n = q_nkeys[t], kh = h / (hq / hkv);
     for (int64_t d = 0; d < D; ++d) qs[d] = q[(t * hq + h) * D + d] * scale;
@@ -167,30 +163,190 @@ struct Attn {
       const int64_t s1 = std::min(n, s0 + split);
       T m_s = -INFINITY;
       for (int64_t j = s0; j < s1; ++j) {
-        scores[j - s0] = dot(qs, k + (slot(b, j) * hkv + kh) * D);
+        scores[j - s0] = dot_scalar<T>(qs, key(b, j, kh), D);
         m_s = std::max(m_s, scores[j - s0]);
       }
       T l_s = 0;
       std::fill(acc_s, acc_s + D, T(0));
       for (int64_t j = s0; j < s1; ++j) {
-        const T p = std::exp(scores[j - s0] - m_s);
+        const T p = exp_(scores[j - s0] - m_s);
         l_s = l_s + p;
-        axpy(p, v + (slot(b, j) * hkv + kh) * D, acc_s);
+        const T* vj = val(b, j, kh);
+        for (int64_t d = 0; d < D; ++d) acc_s[d] = std::fma(p, vj[d], acc_s[d]);
       }
-      if (s0 == 0) {
-        m = m_s, l = l_s;
-        std::copy(acc_s, acc_s + D, acc);
-        continue;
-      }
-      const T m_new = std::max(m, m_s), a = std::exp(m - m_new), c = std::exp(m_s - m_new);
-      for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(acc_s[d], c, acc[d] * a);
-      l = std::fma(l_s, c, l * a);
-      m = m_new;
+      merge_split<T>(s0 == 0, m_s, l_s, acc_s, m, l, acc, D);
     }
     T* o = out + (t * hq + h) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = n > 0 ? acc[d] / l : T(0);
   }
 };
+
+// [x_l + x_{l+4} | y_l + y_{l+4}], l = 0..3
+__attribute__((target("avx2,fma"))) inline __m256 halves(__m256 x, __m256 y) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+// lane i of the result: ((a_i[0] + a_i[4]) + (a_i[2] + a_i[6])) + ((a_i[1] + a_i[5]) + (a_i[3] + a_i[7]))
+__attribute__((target("avx2,fma"))) inline __m256 lane_trees(const __m256* a) {
+  const __m256 s04 = halves(a[0], a[4]), s15 = halves(a[1], a[5]);
+  const __m256 s26 = halves(a[2], a[6]), s37 = halves(a[3], a[7]);
+  // per 128-bit half: [x: c0 + c2, x: c1 + c3, y: c0 + c2, y: c1 + c3]
+  const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(s04, s15, 0x44), _mm256_shuffle_ps(s04, s15, 0xEE));
+  const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(s26, s37, 0x44), _mm256_shuffle_ps(s26, s37, 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+}
+
+// lane i: dot_scalar(qs + i * D, k, D), for 8 queries stored D apart
+__attribute__((target("avx2,fma"))) inline __m256 dot8(const float* qs, const float* k, int64_t D) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += LANES) {
+    const __m256 kv = _mm256_loadu_ps(k + d);
+    for (int i = 0; i < 8; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + i * D + d), kv, acc[i]);
+  }
+  return lane_trees(acc);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, x);
+  for (float& e : t) e = exp_(e);
+  return _mm256_load_ps(t);
+}
+
+// 8 queries' split softmax over s[j * lds + i], j < n, i < 8 (query i has cnt[i] keys): writes
+// p = exp(s - m_s) over s, m_s and l_s (the scalar path's max and in-order sum, per lane)
+__attribute__((target("avx2,fma"))) void softmax8(float* s, int64_t lds, const int32_t* cnt,
+                                                  int64_t n, float* m_out, float* l_out) {
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cnt));
+  __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(int(j))));
+    const __m256 x = _mm256_loadu_ps(s + j * lds);
+    m = _mm256_blendv_ps(m, x, _mm256_and_ps(valid, _mm256_cmp_ps(m, x, _CMP_LT_OQ)));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(int(j))));
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * lds), m));
+    _mm256_storeu_ps(s + j * lds, p);
+    l = _mm256_blendv_ps(l, _mm256_add_ps(l, p), valid);
+  }
+  _mm256_storeu_ps(m_out, m);
+  _mm256_storeu_ps(l_out, l);
+}
+
+// acc[r * D + d] = fma(p[j * ldp + r], v[j][d], acc[r * D + d]) for keys j0 <= j < j1 ascending
+template <int R>
+__attribute__((target("avx2,fma"))) void pv_rows(const float* p, int64_t ldp,
+                                                 const float* const* v, int64_t j0, int64_t j1,
+                                                 float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; d += 2 * LANES) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) a[r][h] = _mm256_loadu_ps(acc + r * D + d + h * LANES);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v[j] + d), v1 = _mm256_loadu_ps(v[j] + d + LANES);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p + j * ldp + r);
+        a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * D + d + h * LANES, a[r][h]);
+  }
+}
+
+void pv_tile(int rows, const float* p, int64_t ldp, const float* const* v, int64_t j0, int64_t j1,
+             float* acc, int64_t D) {
+  switch (rows) {
+    case 1: return pv_rows<1>(p, ldp, v, j0, j1, acc, D);
+    case 2: return pv_rows<2>(p, ldp, v, j0, j1, acc, D);
+    case 3: return pv_rows<3>(p, ldp, v, j0, j1, acc, D);
+    case 4: return pv_rows<4>(p, ldp, v, j0, j1, acc, D);
+    case 5: return pv_rows<5>(p, ldp, v, j0, j1, acc, D);
+    default: return pv_rows<6>(p, ldp, v, j0, j1, acc, D);
+  }
+}
+
+// Per-thread scratch of the AVX2 work items (q = r * G + g: row t0 + r, head kh * G + g).
+struct ItemBuf {
+  std::vector<float> qs, s, acc_s, acc, m, l, m_s, l_s;
+  std::vector<int32_t> n, cnt;
+  std::vector<const float*> kp, vp;
+};
+
+// Rows t0 .. t0 + rows - 1 (one sequence) with all query heads of kv head kh, AVX2.
+__attribute__((target("avx2,fma"))) void attention_item(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh, ItemBuf& w) {
+  const int64_t G = a.hq / a.hkv, Q = rows * G, Qp = (Q + 7) / 8 * 8, D = a.D, b = a.q_seq[t0];
+  w.qs.assign(Qp * D, 0.f), w.n.assign(Qp, 0), w.cnt.assign(Qp, 0);
+  w.m.resize(Qp), w.l.resize(Qp), w.m_s.resize(Qp), w.l_s.resize(Qp), w.acc.resize(Q * D);
+  w.s.resize(a.split * Qp), w.kp.resize(a.split), w.vp.resize(a.split);
+  int64_t n_max = 0;
+  for (int64_t q = 0; q < Q; ++q) {
+    const float* src = a.q + ((t0 + q / G) * a.hq + kh * G + q % G) * D;
+    for (int64_t d = 0; d < D; ++d) w.qs[q * D + d] = src[d] * a.scale;
+    w.n[q] = a.q_nkeys[t0 + q / G];
+    n_max = std::max<int64_t>(n_max, w.n[q]);
+  }
+  for (int64_t s0 = 0; s0 < n_max; s0 += a.split) {
+    int64_t c_max = 0;
+    for (int64_t q = 0; q < Q; ++q) {
+      w.cnt[q] = int32_t(std::clamp<int64_t>(w.n[q] - s0, 0, a.split));
+      c_max = std::max<int64_t>(c_max, w.cnt[q]);
+    }
+    for (int64_t j = 0; j < c_max; ++j) w.kp[j] = a.key(b, s0 + j, kh), w.vp[j] = a.val(b, s0 + j, kh);
+    for (int64_t g0 = 0; g0 < Qp; g0 += 8) {
+      const int64_t c = *std::max_element(w.cnt.begin() + g0, w.cnt.begin() + g0 + 8);
+      for (int64_t j = 0; j < c; ++j)
+        _mm256_storeu_ps(&w.s[j * Qp + g0], dot8(&w.qs[g0 * D], w.kp[j], D));
+      softmax8(&w.s[g0], Qp, &w.cnt[g0], c, &w.m_s[g0], &w.l_s[g0]);
+    }
+    w.acc_s.assign(Q * D, 0.f);
+    for (int64_t q0 = 0; q0 < Q; q0 += PV_ROWS) {
+      const int rows_ = int(std::min<int64_t>(PV_ROWS, Q - q0));
+      const int64_t c_min = *std::min_element(w.cnt.begin() + q0, w.cnt.begin() + q0 + rows_);
+      pv_tile(rows_, &w.s[q0], Qp, w.vp.data(), 0, c_min, &w.acc_s[q0 * D], D);
+      for (int64_t q = q0; q < q0 + rows_; ++q)
+        if (w.cnt[q] > c_min) pv_tile(1, &w.s[q], Qp, w.vp.data(), c_min, w.cnt[q], &w.acc_s[q * D], D);
+    }
+    for (int64_t q = 0; q < Q; ++q)
+      if (w.cnt[q] > 0)
+        merge_split<float>(s0 == 0, w.m_s[q], w.l_s[q], &w.acc_s[q * D], w.m[q], w.l[q], &w.acc[q * D], D);
+  }
+  for (int64_t q = 0; q < Q; ++q) {
+    float* o = a.out + ((t0 + q / G) * a.hq + kh * G + q % G) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = w.n[q] > 0 ? w.acc[q * D + d] / w.l[q] : 0.f;
+  }
+}
+
+// work items of the AVX2 path: (first row, rows) blocks of at most QROWS rows of one sequence
+std::vector<std::pair<int64_t, int64_t>> row_blocks(const int32_t* q_seq, int64_t T_) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t t = 0; t < T_;) {
+    int64_t e = t + 1;
+    while (e < T_ && e - t < QROWS && q_seq[e] == q_seq[t]) ++e;
+    blocks.emplace_back(t, e - t);
+    t = e;
+  }
+  return blocks;
+}
+
+template <typename T>
+bool attention_avx2(const Attn<T>&, int64_t) { return false; }
+
+// runs the AVX2 path if it applies (float, AVX2, D a multiple of 16)
+bool attention_avx2(const Attn<float>& a, int64_t T_) {
+  if (!has_avx2() || a.D % (2 * LANES) != 0) return false;
+  const auto blocks = row_blocks(a.q_seq, T_);
+  at::parallel_for(0, int64_t(blocks.size()) * a.hkv, 1, [&](int64_t i0, int64_t i1) {
+    ItemBuf w;
+    for (int64_t i = i0; i < i1; ++i)
+      attention_item(a, blocks[i / a.hkv].first, blocks[i / a.hkv].second, i % a.hkv, w);
+  });
+  return true;
+}
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_seq,
@@ -200,14 +356,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_seq.scalar_type() == at::kInt
               && q_nkeys.scalar_type() == at::kInt, "attention: index tensors must be int32");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && split > 0, "attention: bad heads or split");
-  const int64_t T_ = q.size(0), hq = q.size(1), D = q.size(2);
+  const int64_t T_ = q.size(0), hq = q.size(1), D = q.size(2), hkv = k_cache.size(2);
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "invariant_attention", [&] {
     Attn<scalar_t> a{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                      v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                      q_seq.data_ptr<int32_t>(), q_nkeys.data_ptr<int32_t>(),
-                     out.data_ptr<scalar_t>(), hq, k_cache.size(2), D, k_cache.size(1),
-                     block_tables.size(1), split, scalar_t(scale), has_avx2() && D % LANES == 0};
+                     out.data_ptr<scalar_t>(), hq, hkv, D, k_cache.size(1),
+                     block_tables.size(1), split, scalar_t(scale)};
+    if (attention_avx2(a, T_)) return;
     at::parallel_for(0, T_ * hq, 1, [&](int64_t i0, int64_t i1) {
       std::vector<scalar_t> buf(3 * D + split);
       for (int64_t i = i0; i < i1; ++i)
