@@ -19,7 +19,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 PACK_N = 48  # output columns per packed weight block (the C++ NB)
-ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|split-merge-fma"
+ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|exp-cephes5-fma|split-merge-fma"
 _lock = threading.Lock()
 _loaded = False
 

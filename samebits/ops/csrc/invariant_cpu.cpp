@@ -7,7 +7,8 @@
 //   row advance together in vector registers; every lane is still its own sequential chain.
 // attention: for each (query, head), keys [0, n_keys) in splits of `split` keys, ascending:
 //   score = dot(q * scale, k) in 8 lanes (lane l: fma chain over d = l, l+8, ...), lanes summed
-//   by the fixed tree ((0+4)+(2+6)) + ((1+5)+(3+7)); p = exp(score - max of the split);
+//   by the fixed tree ((0+4)+(2+6)) + ((1+5)+(3+7)); p = exp(score - max of the split), exp the
+//   kernel's own polynomial for float (see exp_), std::exp for double;
 //   l_s = sum of p in key order; acc_s[d] = fma chain of p * v[d] in key order. Splits merge in
 //   ascending order: m' = max(m, m_s), a = exp(m - m'), b = exp(m_s - m'),
 //   acc = fma(acc_s, b, acc * a), l = fma(l_s, b, l * a); out = acc / l.
@@ -119,8 +120,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n) {
 constexpr int64_t QROWS = 16;  // query rows per AVX2 work item
 constexpr int PV_ROWS = 6;     // queries per tile of the AVX2 p @ V product
 
-template <typename T>
-T exp_(T x) { return std::exp(x); }
+// exp, float: n = round(x log2 e) (by the 1.5 * 2^23 shift), r = x - n ln2 (two fma),
+// p = Cephes' degree-5 polynomial in Horner fma steps, y = fma(p, r * r, r) + 1, exp = y * 2^n;
+// x < -87 -> +0, x > 88 -> +inf, NaN -> x. exp8 performs the same IEEE operations lane-wise.
+// double (scalar only): std::exp.
+constexpr float EXP_LO = -87.f, EXP_HI = 88.f, EXP_SHIFT = 12582912.f, LOG2E = 1.44269504088896341f;
+constexpr float LN2_A = 0.693359375f, LN2_B = -2.12194440e-4f;  // ln2 = LN2_A + LN2_B
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+float exp_(float x) {
+  if (!(x >= EXP_LO)) return x < EXP_LO ? 0.f : x;
+  if (x > EXP_HI) return INFINITY;
+  const float t = x * LOG2E, kb = t + EXP_SHIFT, n = kb - EXP_SHIFT;
+  float r = std::fma(n, -LN2_A, x);
+  r = std::fma(n, -LN2_B, r);
+  float p = EXP_P[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, EXP_P[i]);
+  const float y = std::fma(p, r * r, r) + 1.f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+double exp_(double x) { return std::exp(x); }
 
 template <typename T>
 T dot_scalar(const T* q, const T* k, int64_t D) {
@@ -208,11 +232,22 @@ __attribute__((target("avx2,fma"))) inline __m256 dot8(const float* qs, const fl
   return lane_trees(acc);
 }
 
+// lane-wise exp_(float)
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, x);
-  for (float& e : t) e = exp_(e);
-  return _mm256_load_ps(t);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 shift = _mm256_set1_ps(EXP_SHIFT);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), shift), shift);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_A), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_B), r);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ));
+  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
 // 8 queries' split softmax over s[j * lds + i], j < n, i < 8 (query i has cnt[i] keys): writes
