@@ -220,16 +220,33 @@ __attribute__((target("avx2,fma"))) inline __m256 lane_trees(const __m256* a) {
   return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
 }
 
-// lane i: dot_scalar(qs + i * D, k, D), for 8 queries stored D apart
-__attribute__((target("avx2,fma"))) inline __m256 dot8(const float* qs, const float* k, int64_t D) {
+// lane i < NQ: dot_scalar(qs + i * D, k, D), for NQ queries stored D apart (lanes >= NQ: 0)
+template <int NQ>
+__attribute__((target("avx2,fma"))) __m256 dot_lanes(const float* qs, const float* k, int64_t D) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += LANES) {
     const __m256 kv = _mm256_loadu_ps(k + d);
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < NQ; ++i)
       acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + i * D + d), kv, acc[i]);
   }
   return lane_trees(acc);
+}
+
+// s[j * lds + i] = dot_scalar(qs + i * D, k[j], D) for keys j0 <= j < j1, queries i < nq <= 8
+template <int NQ>
+__attribute__((target("avx2,fma"))) void dot_keys(const float* qs, const float* const* k,
+                                                  int64_t j0, int64_t j1, float* s, int64_t lds,
+                                                  int64_t D) {
+  for (int64_t j = j0; j < j1; ++j) _mm256_storeu_ps(s + j * lds, dot_lanes<NQ>(qs, k[j], D));
+}
+
+void dot_tile(int nq, const float* qs, const float* const* k, int64_t j0, int64_t j1, float* s,
+              int64_t lds, int64_t D) {
+  using Fn = void (*)(const float*, const float* const*, int64_t, int64_t, float*, int64_t, int64_t);
+  static constexpr Fn fns[8] = {dot_keys<1>, dot_keys<2>, dot_keys<3>, dot_keys<4>,
+                                dot_keys<5>, dot_keys<6>, dot_keys<7>, dot_keys<8>};
+  fns[nq - 1](qs, k, j0, j1, s, lds, D);
 }
 
 // lane-wise exp_(float)
@@ -305,52 +322,99 @@ void pv_tile(int rows, const float* p, int64_t ldp, const float* const* v, int64
   }
 }
 
-// Per-thread scratch of the AVX2 work items (q = r * G + g: row t0 + r, head kh * G + g).
+// merge_split<float> with the d loop in AVX2 (the same operations)
+__attribute__((target("avx2,fma"))) void merge_split_avx2(bool first, float m_s, float l_s,
+                                                          const float* acc_s, float& m, float& l,
+                                                          float* acc, int64_t D) {
+  if (first) return merge_split<float>(true, m_s, l_s, acc_s, m, l, acc, D);
+  const float m_new = std::max(m, m_s), a = exp_(m - m_new), c = exp_(m_s - m_new);
+  const __m256 av = _mm256_set1_ps(a), cv = _mm256_set1_ps(c);
+  for (int64_t d = 0; d < D; d += LANES)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(_mm256_loadu_ps(acc_s + d), cv,
+                                              _mm256_mul_ps(_mm256_loadu_ps(acc + d), av)));
+  l = std::fma(l_s, c, l * a);
+  m = m_new;
+}
+
+// Per-thread scratch of an AVX2 work item: Q queries (q = r * G + g: row t0 + r, head kh * G + g),
+// padded to Qp (a multiple of 8); s [split, Qp] holds a split's scores, then its p.
 struct ItemBuf {
+  int64_t Q = 0, Qp = 0;
   std::vector<float> qs, s, acc_s, acc, m, l, m_s, l_s;
   std::vector<int32_t> n, cnt;
   std::vector<const float*> kp, vp;
 };
 
-// Rows t0 .. t0 + rows - 1 (one sequence) with all query heads of kv head kh, AVX2.
-__attribute__((target("avx2,fma"))) void attention_item(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh, ItemBuf& w) {
-  const int64_t G = a.hq / a.hkv, Q = rows * G, Qp = (Q + 7) / 8 * 8, D = a.D, b = a.q_seq[t0];
-  w.qs.assign(Qp * D, 0.f), w.n.assign(Qp, 0), w.cnt.assign(Qp, 0);
-  w.m.resize(Qp), w.l.resize(Qp), w.m_s.resize(Qp), w.l_s.resize(Qp), w.acc.resize(Q * D);
-  w.s.resize(a.split * Qp), w.kp.resize(a.split), w.vp.resize(a.split);
+constexpr int64_t KEY_CHUNK = 32;  // keys whose K (then V) rows stay in L1 across all the queries
+
+// s, m_s, l_s of the split whose keys are w.kp[0 .. cnt[q])
+__attribute__((target("avx2,fma"))) void item_softmax(ItemBuf& w, int64_t c_max, int64_t D) {
+  for (int64_t j0 = 0; j0 < c_max; j0 += KEY_CHUNK)
+    for (int64_t g0 = 0; g0 < w.Q; g0 += 8) {
+      const int64_t c = *std::max_element(w.cnt.begin() + g0, w.cnt.begin() + g0 + 8);
+      dot_tile(int(std::min<int64_t>(8, w.Q - g0)), &w.qs[g0 * D], w.kp.data(), j0,
+               std::min(j0 + KEY_CHUNK, c), &w.s[g0], w.Qp, D);
+    }
+  for (int64_t g0 = 0; g0 < w.Q; g0 += 8) {
+    const int64_t c = *std::max_element(w.cnt.begin() + g0, w.cnt.begin() + g0 + 8);
+    softmax8(&w.s[g0], w.Qp, &w.cnt[g0], c, &w.m_s[g0], &w.l_s[g0]);
+  }
+}
+
+// acc_s[q] = the fma chain of p[j][q] * v[j] over j < cnt[q], ascending
+void item_pv(ItemBuf& w, int64_t c_max, int64_t D) {
+  w.acc_s.assign(w.Q * D, 0.f);
+  for (int64_t j0 = 0; j0 < c_max; j0 += KEY_CHUNK) {
+    const int64_t j1 = j0 + KEY_CHUNK;
+    for (int64_t q0 = 0; q0 < w.Q; q0 += PV_ROWS) {
+      const int rows = int(std::min<int64_t>(PV_ROWS, w.Q - q0));
+      const int64_t c_min = *std::min_element(w.cnt.begin() + q0, w.cnt.begin() + q0 + rows);
+      if (j0 < c_min)
+        pv_tile(rows, &w.s[q0], w.Qp, w.vp.data(), j0, std::min(j1, c_min), &w.acc_s[q0 * D], D);
+      for (int64_t q = q0; q < q0 + rows; ++q) {  // the keys of q beyond the tile's common ones
+        const int64_t a = std::max(j0, c_min), b = std::min<int64_t>(j1, w.cnt[q]);
+        if (a < b) pv_tile(1, &w.s[q], w.Qp, w.vp.data(), a, b, &w.acc_s[q * D], D);
+      }
+    }
+  }
+}
+
+// scaled queries, key counts; returns the largest key count
+int64_t item_queries(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh, ItemBuf& w) {
+  const int64_t G = a.hq / a.hkv, D = a.D;
+  w.Q = rows * G, w.Qp = (w.Q + 7) / 8 * 8;
+  w.qs.assign(w.Qp * D, 0.f), w.n.assign(w.Qp, 0), w.cnt.assign(w.Qp, 0);
+  w.m.resize(w.Qp), w.l.resize(w.Qp), w.m_s.resize(w.Qp), w.l_s.resize(w.Qp);
+  w.acc.resize(w.Q * D), w.s.resize(a.split * w.Qp), w.kp.resize(a.split), w.vp.resize(a.split);
   int64_t n_max = 0;
-  for (int64_t q = 0; q < Q; ++q) {
+  for (int64_t q = 0; q < w.Q; ++q) {
     const float* src = a.q + ((t0 + q / G) * a.hq + kh * G + q % G) * D;
     for (int64_t d = 0; d < D; ++d) w.qs[q * D + d] = src[d] * a.scale;
     w.n[q] = a.q_nkeys[t0 + q / G];
     n_max = std::max<int64_t>(n_max, w.n[q]);
   }
+  return n_max;
+}
+
+// Rows t0 .. t0 + rows - 1 (one sequence) with all query heads of kv head kh, AVX2.
+void attention_item(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh, ItemBuf& w) {
+  const int64_t G = a.hq / a.hkv, D = a.D, b = a.q_seq[t0];
+  const int64_t n_max = item_queries(a, t0, rows, kh, w);
   for (int64_t s0 = 0; s0 < n_max; s0 += a.split) {
     int64_t c_max = 0;
-    for (int64_t q = 0; q < Q; ++q) {
+    for (int64_t q = 0; q < w.Q; ++q) {
       w.cnt[q] = int32_t(std::clamp<int64_t>(w.n[q] - s0, 0, a.split));
       c_max = std::max<int64_t>(c_max, w.cnt[q]);
     }
     for (int64_t j = 0; j < c_max; ++j) w.kp[j] = a.key(b, s0 + j, kh), w.vp[j] = a.val(b, s0 + j, kh);
-    for (int64_t g0 = 0; g0 < Qp; g0 += 8) {
-      const int64_t c = *std::max_element(w.cnt.begin() + g0, w.cnt.begin() + g0 + 8);
-      for (int64_t j = 0; j < c; ++j)
-        _mm256_storeu_ps(&w.s[j * Qp + g0], dot8(&w.qs[g0 * D], w.kp[j], D));
-      softmax8(&w.s[g0], Qp, &w.cnt[g0], c, &w.m_s[g0], &w.l_s[g0]);
-    }
-    w.acc_s.assign(Q * D, 0.f);
-    for (int64_t q0 = 0; q0 < Q; q0 += PV_ROWS) {
-      const int rows_ = int(std::min<int64_t>(PV_ROWS, Q - q0));
-      const int64_t c_min = *std::min_element(w.cnt.begin() + q0, w.cnt.begin() + q0 + rows_);
-      pv_tile(rows_, &w.s[q0], Qp, w.vp.data(), 0, c_min, &w.acc_s[q0 * D], D);
-      for (int64_t q = q0; q < q0 + rows_; ++q)
-        if (w.cnt[q] > c_min) pv_tile(1, &w.s[q], Qp, w.vp.data(), c_min, w.cnt[q], &w.acc_s[q * D], D);
-    }
-    for (int64_t q = 0; q < Q; ++q)
+    item_softmax(w, c_max, D);
+    item_pv(w, c_max, D);
+    for (int64_t q = 0; q < w.Q; ++q)
       if (w.cnt[q] > 0)
-        merge_split<float>(s0 == 0, w.m_s[q], w.l_s[q], &w.acc_s[q * D], w.m[q], w.l[q], &w.acc[q * D], D);
+        merge_split_avx2(s0 == 0, w.m_s[q], w.l_s[q], &w.acc_s[q * D], w.m[q], w.l[q],
+                         &w.acc[q * D], D);
   }
-  for (int64_t q = 0; q < Q; ++q) {
+  for (int64_t q = 0; q < w.Q; ++q) {
     float* o = a.out + ((t0 + q / G) * a.hq + kh * G + q % G) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = w.n[q] > 0 ? w.acc[q * D + d] / w.l[q] : 0.f;
   }
