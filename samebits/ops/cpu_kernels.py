@@ -1,8 +1,8 @@
 """The invariant CPU kernels (``csrc/invariant_cpu.cpp``), compiled on first use and cached.
 
 The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extension
-cache, under a name carrying the source's hash: a changed source builds anew, an unchanged one
-loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError`` naming the cause;
+cache, under a name carrying the hash of the source and flags: a changed source builds anew, an
+unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError`` naming the cause;
 there is no silent fallback (another arithmetic would give other bits).
 
 ``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC`` names
@@ -20,6 +20,9 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 PACK_N = 48  # output columns per packed weight block (the C++ NB)
 ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|exp-cephes5-fma|split-merge-fma"
+# -fopenmp: at::parallel_for runs its OpenMP loop only where the including code is built with it
+# (the OpenMP runtime is torch's own libgomp, already loaded)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _loaded = False
 
@@ -36,12 +39,12 @@ def load() -> None:
     with _lock:
         if _loaded:
             return
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(SOURCE.read_bytes() + repr(_FLAGS).encode()).hexdigest()[:12]
         try:
             from torch.utils import cpp_extension
             cpp_extension.load(name=f"samebits_cpu_{digest}", sources=[str(SOURCE)],
-                               extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False,
-                               verbose=False)
+                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001 -- any build failure is reported the same way
             raise KernelBuildError(
                 f"could not build samebits' invariant CPU kernels ({SOURCE.name}): {e}. They need "
