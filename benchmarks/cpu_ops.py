@@ -51,7 +51,8 @@ def _report(case: dict, inv_ms: float, std_ms: float) -> None:
 def bench_linear(rows: int, repeats: int) -> None:
     for name, (n, k) in SHAPES.items():
         w, x = torch.randn(n, k) / k ** 0.5, torch.randn(rows, k)
-        inv, std = _interleaved([lambda: INV.linear(x, w), lambda: STD.linear(x, w)], repeats)
+        inv, std = _interleaved([lambda x=x, w=w: INV.linear(x, w),
+                                 lambda x=x, w=w: STD.linear(x, w)], repeats)
         flop = 2 * rows * n * k
         _report({"op": "linear", "shape": name, "M": rows, "N": n, "K": k,
                  "inv_gflops": round(flop / inv / 1e6, 1)}, inv, std)

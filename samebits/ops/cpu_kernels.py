@@ -2,8 +2,8 @@
 
 The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extension
 cache, under a name carrying the hash of the source and flags: a changed source builds anew, an
-unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError`` naming the cause;
-there is no silent fallback (another arithmetic would give other bits).
+unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError``
+naming the cause; there is no silent fallback (another arithmetic would give other bits).
 
 ``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC`` names
 it for the CPU fingerprint, so any change to that arithmetic must change this string.
