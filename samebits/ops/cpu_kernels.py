@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -85,10 +86,17 @@ def forget_packed(module: torch.nn.Module) -> None:
             del p._samebits_packed
 
 
-def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain."""
+def linear(x: torch.Tensor, wp: torch.Tensor, n: int,
+           k_bounds: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain.
+
+    ``k_bounds`` [0, k1, ..., K] (sorted): each K segment runs its own chain from +0 and the
+    segment partials are added in segment order in x's dtype, ((p0 + p1) + p2) ..."""
     load()
-    return torch.ops.samebits_cpu.linear(x, wp, n)
+    if k_bounds is not None:
+        k_bounds = [int(b) for b in (k_bounds.tolist() if isinstance(k_bounds, torch.Tensor)
+                                     else k_bounds)]
+    return torch.ops.samebits_cpu.linear(x, wp, n, k_bounds)
 
 
 def set_vectorized(on: bool) -> bool:

@@ -135,3 +135,32 @@ def test_attention_with_the_kernel_exp_is_close_to_float64() -> None:
     out = reference.split_attention(q * 4, k, v, plan, 0.125, 16)  # wide score range
     ref = reference.split_attention((q * 4).double(), k.double(), v.double(), plan, 0.125, 16)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, k_bounds=None) -> torch.Tensor:
+    return cpu_kernels.linear(x.contiguous(), cpu_kernels.pack_weight(w.contiguous()), w.shape[0],
+                              k_bounds)
+
+
+def test_segmented_k_linear_equals_the_ordered_sum_of_per_segment_products() -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(100, 577, generator=g)
+    bounds = [0, 200, 390, 577]  # segments longer and shorter than the kernel's K block
+    segs = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    xs = [torch.randn(m, 577, generator=g) for m in (1, 2, 3, 17, 128)]
+    results = {}
+    for vectorized in (True, False):
+        before = cpu_kernels.set_vectorized(vectorized)
+        try:
+            for x in xs:
+                m = x.shape[0]
+                parts = [_packed_linear(x[:, s], w[:, s]) for s in segs]
+                got = results[vectorized, m] = _packed_linear(x, w, bounds)
+                assert torch.equal(got, (parts[0] + parts[1]) + parts[2]), (vectorized, m)
+                assert torch.equal(_packed_linear(x, w, torch.tensor(bounds)), got)
+                assert torch.equal(_packed_linear(x, w, [0, 577]), _packed_linear(x, w))
+                # negative control: the segmented sum is another arithmetic than one chain
+                assert not torch.equal(got, _packed_linear(x, w))
+        finally:
+            cpu_kernels.set_vectorized(before)
+    assert all(torch.equal(results[True, x.shape[0]], results[False, x.shape[0]]) for x in xs)

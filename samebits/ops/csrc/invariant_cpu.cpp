@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -43,71 +44,117 @@ bool set_vectorized(bool on) {
 }
 
 // ---------------------------------------------------------------- linear
+// Work items: (block of 48 output columns, block of up to ROWS_PER_ITEM rows). An item walks K in
+// blocks of K_BLOCK (that much of its packed weight block stays in L1 while all its rows use it),
+// keeping each output's accumulator in a buffer between K blocks: storing and reloading an fp32
+// accumulator leaves its fma chain unchanged. With k_bounds, each K segment runs its own chain
+// from +0 and the segment partials are added in segment order.
+constexpr int64_t K_BLOCK = 128;
+constexpr int64_t ROWS_PER_ITEM = 32;
+
+// acc[r * NB + j] = fma(x[r * ldx + k], wp[k * NB + j], acc[r * NB + j]) for k0 <= k < k1 ascending
 template <typename T>
-void linear_block_scalar(const T* x, int64_t ldx, int64_t rows, const T* wp, int64_t K, T* buf) {
-  for (int64_t r = 0; r < rows; ++r) {
+void linear_tile_scalar(const T* x, int64_t ldx, int64_t rows, const T* wp, int64_t k0, int64_t k1,
+                        T* acc) {
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < NB; ++j) {
-      T acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[r * ldx + k], wp[k * NB + j], acc);
-      buf[r * NB + j] = acc;
+      T a = acc[r * NB + j];
+      for (int64_t k = k0; k < k1; ++k) a = std::fma(x[r * ldx + k], wp[k * NB + j], a);
+      acc[r * NB + j] = a;
     }
-  }
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) void linear_block_avx2(const float* x, int64_t ldx,
-                                                            const float* wp, int64_t K, float* buf) {
-  __m256 acc[R][6];
+__attribute__((target("avx2,fma"))) void linear_tile_avx2(const float* x, int64_t ldx,
+                                                          const float* wp, int64_t k0, int64_t k1,
+                                                          float* acc) {
+  __m256 a[R][6];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 6; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int i = 0; i < 6; ++i) a[r][i] = _mm256_loadu_ps(acc + r * NB + 8 * i);
+  for (int64_t k = k0; k < k1; ++k) {
     const float* wk = wp + k * NB;
     __m256 b[R];
     for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(x + r * ldx + k);
     for (int i = 0; i < 6; ++i) {
-      __m256 w = _mm256_loadu_ps(wk + 8 * i);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(b[r], w, acc[r][i]);
+      const __m256 w = _mm256_loadu_ps(wk + 8 * i);
+      for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(b[r], w, a[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 6; ++i) _mm256_storeu_ps(buf + r * NB + 8 * i, acc[r][i]);
+    for (int i = 0; i < 6; ++i) _mm256_storeu_ps(acc + r * NB + 8 * i, a[r][i]);
 }
 
+// the tile step over k0 <= k < k1 for `rows` rows of x (ldx apart) and their acc rows
 template <typename T>
-void linear_columns(const T* x, int64_t M, int64_t K, const T* wp, int64_t N, int64_t blk, T* out) {
-  T buf[2 * NB];
-  const T* wb = wp + blk * K * NB;
-  const int64_t n0 = blk * NB, width = std::min(NB, N - n0);
-  for (int64_t m = 0; m < M; m += 2) {
-    const int64_t rows = std::min<int64_t>(2, M - m);
-    if constexpr (std::is_same_v<T, float>) {
-      if (has_avx2()) {
-        if (rows == 2) linear_block_avx2<2>(x + m * K, K, wb, K, buf);
-        else linear_block_avx2<1>(x + m * K, K, wb, K, buf);
-      } else {
-        linear_block_scalar<T>(x + m * K, K, rows, wb, K, buf);
+void linear_tile(const T* x, int64_t ldx, int64_t rows, const T* wp, int64_t k0, int64_t k1,
+                 T* acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2()) {
+      for (int64_t r = 0; r < rows; r += 2) {
+        if (rows - r >= 2) linear_tile_avx2<2>(x + r * ldx, ldx, wp, k0, k1, acc + r * NB);
+        else linear_tile_avx2<1>(x + r * ldx, ldx, wp, k0, k1, acc + r * NB);
       }
-    } else {
-      linear_block_scalar<T>(x + m * K, K, rows, wb, K, buf);
+      return;
     }
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(out + (m + r) * N + n0, buf + r * NB, width * sizeof(T));
   }
+  linear_tile_scalar<T>(x, ldx, rows, wp, k0, k1, acc);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n) {
+// acc = the fma chains over k0 <= k < k1 from +0, K-blocked
+template <typename T>
+void linear_segment(const T* x, int64_t ldx, int64_t rows, const T* wb, int64_t k0, int64_t k1,
+                    T* acc) {
+  std::fill(acc, acc + rows * NB, T(0));
+  for (int64_t kb = k0; kb < k1; kb += K_BLOCK)
+    linear_tile<T>(x, ldx, rows, wb, kb, std::min(k1, kb + K_BLOCK), acc);
+}
+
+// rows m0 .. m0 + rows - 1 of the output columns of weight block blk
+template <typename T>
+void linear_item(const T* x, int64_t K, int64_t m0, int64_t rows, const T* wp, int64_t N,
+                 int64_t blk, const std::vector<int64_t>& bounds, T* out) {
+  std::vector<T> total(rows * NB), part(bounds.size() > 2 ? rows * NB : 0);
+  const T* wb = wp + blk * K * NB;
+  const T* xm = x + m0 * K;
+  linear_segment<T>(xm, K, rows, wb, bounds[0], bounds[1], total.data());
+  for (size_t s = 1; s + 1 < bounds.size(); ++s) {
+    linear_segment<T>(xm, K, rows, wb, bounds[s], bounds[s + 1], part.data());
+    for (int64_t i = 0; i < rows * NB; ++i) total[i] = total[i] + part[i];
+  }
+  const int64_t n0 = blk * NB, width = std::min(NB, N - n0);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out + (m0 + r) * N + n0, total.data() + r * NB, width * sizeof(T));
+}
+
+// [0, K] or the caller's k_bounds, checked: starts at 0, ends at K, never decreases
+std::vector<int64_t> segment_bounds(std::optional<at::IntArrayRef> k_bounds, int64_t K) {
+  if (!k_bounds.has_value()) return {0, K};
+  std::vector<int64_t> b(k_bounds->begin(), k_bounds->end());
+  TORCH_CHECK(b.size() >= 2 && b.front() == 0 && b.back() == K
+              && std::is_sorted(b.begin(), b.end()), "linear: k_bounds must run from 0 to K, sorted");
+  return b;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
+                  std::optional<at::IntArrayRef> k_bounds) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && wp.is_contiguous(), "linear: bad layout");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NB && wp.size(1) == x.size(1), "linear: bad packing");
   TORCH_CHECK(x.scalar_type() == wp.scalar_type(), "linear: dtype mismatch");
   const int64_t M = x.size(0), K = x.size(1), blocks = wp.size(0);
+  const auto bounds = segment_bounds(k_bounds, K);
   auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;
+  const int64_t row_blocks = (M + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "invariant_linear", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* w = wp.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) linear_columns<scalar_t>(xp, M, K, w, n, blk, o);
+    at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m0 = (i % row_blocks) * ROWS_PER_ITEM;
+        linear_item<scalar_t>(xp, K, m0, std::min(ROWS_PER_ITEM, M - m0), w, n, i / row_blocks,
+                              bounds, o);
+      }
     });
   });
   return out;
@@ -476,7 +523,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }  // namespace
 
 TORCH_LIBRARY(samebits_cpu, m) {
-  m.def("linear(Tensor x, Tensor wp, int n) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor wp, int n, int[]? k_bounds=None) -> Tensor", &linear);
   m.def("set_vectorized(bool on) -> bool", &set_vectorized);
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor q_seq, "
         "Tensor q_nkeys, float scale, int split) -> Tensor", &attention);
