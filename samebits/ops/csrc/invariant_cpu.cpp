@@ -5,6 +5,8 @@
 // linear: out[m, n] = fma chain over k = 0 .. K-1 in ascending order, starting from +0 (one
 //   accumulator per output element). Weights are packed [ceil(N/48), K, 48] so 48 outputs of a
 //   row advance together in vector registers; every lane is still its own sequential chain.
+//   With k_bounds [0, k1, ..., K]: one such chain per K segment, each from +0, and the segment
+//   partials added in segment order, ((p0 + p1) + p2) ...
 // attention: for each (query, head), keys [0, n_keys) in splits of `split` keys, ascending:
 //   score = dot(q * scale, k) in 8 lanes (lane l: fma chain over d = l, l+8, ...), lanes summed
 //   by the fixed tree ((0+4)+(2+6)) + ((1+5)+(3+7)); p = exp(score - max of the split), exp the
@@ -131,7 +133,8 @@ std::vector<int64_t> segment_bounds(std::optional<at::IntArrayRef> k_bounds, int
   if (!k_bounds.has_value()) return {0, K};
   std::vector<int64_t> b(k_bounds->begin(), k_bounds->end());
   TORCH_CHECK(b.size() >= 2 && b.front() == 0 && b.back() == K
-              && std::is_sorted(b.begin(), b.end()), "linear: k_bounds must run from 0 to K, sorted");
+              && std::is_sorted(b.begin(), b.end()),
+              "linear: k_bounds must run from 0 to K, sorted");
   return b;
 }
 
@@ -200,7 +203,8 @@ T dot_scalar(const T* q, const T* k, int64_t D) {
   return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
 }
 
-// Folds split s (max m_s, sum l_s, acc_s) into a query's running (m, l, acc); `first`: s is split 0.
+// Folds split s (max m_s, sum l_s, acc_s) into a query's running (m, l, acc);
+// `first`: s is split 0.
 template <typename T>
 void merge_split(bool first, T m_s, T l_s, const T* acc_s, T& m, T& l, T* acc, int64_t D) {
   if (first) {
@@ -257,13 +261,16 @@ __attribute__((target("avx2,fma"))) inline __m256 halves(__m256 x, __m256 y) {
   return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
 }
 
-// lane i of the result: ((a_i[0] + a_i[4]) + (a_i[2] + a_i[6])) + ((a_i[1] + a_i[5]) + (a_i[3] + a_i[7]))
+// lane i of the result:
+//   ((a_i[0] + a_i[4]) + (a_i[2] + a_i[6])) + ((a_i[1] + a_i[5]) + (a_i[3] + a_i[7]))
 __attribute__((target("avx2,fma"))) inline __m256 lane_trees(const __m256* a) {
   const __m256 s04 = halves(a[0], a[4]), s15 = halves(a[1], a[5]);
   const __m256 s26 = halves(a[2], a[6]), s37 = halves(a[3], a[7]);
   // per 128-bit half: [x: c0 + c2, x: c1 + c3, y: c0 + c2, y: c1 + c3]
-  const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(s04, s15, 0x44), _mm256_shuffle_ps(s04, s15, 0xEE));
-  const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(s26, s37, 0x44), _mm256_shuffle_ps(s26, s37, 0xEE));
+  const __m256 x =
+      _mm256_add_ps(_mm256_shuffle_ps(s04, s15, 0x44), _mm256_shuffle_ps(s04, s15, 0xEE));
+  const __m256 y =
+      _mm256_add_ps(_mm256_shuffle_ps(s26, s37, 0x44), _mm256_shuffle_ps(s26, s37, 0xEE));
   return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
 }
 
@@ -290,7 +297,8 @@ __attribute__((target("avx2,fma"))) void dot_keys(const float* qs, const float* 
 
 void dot_tile(int nq, const float* qs, const float* const* k, int64_t j0, int64_t j1, float* s,
               int64_t lds, int64_t D) {
-  using Fn = void (*)(const float*, const float* const*, int64_t, int64_t, float*, int64_t, int64_t);
+  using Fn =
+      void (*)(const float*, const float* const*, int64_t, int64_t, float*, int64_t, int64_t);
   static constexpr Fn fns[8] = {dot_keys<1>, dot_keys<2>, dot_keys<3>, dot_keys<4>,
                                 dot_keys<5>, dot_keys<6>, dot_keys<7>, dot_keys<8>};
   fns[nq - 1](qs, k, j0, j1, s, lds, D);
@@ -300,7 +308,8 @@ void dot_tile(int nq, const float* qs, const float* const* k, int64_t j0, int64_
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
   const __m256 shift = _mm256_set1_ps(EXP_SHIFT);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), shift), shift);
+  const __m256 n =
+      _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), shift), shift);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_A), xc);
   r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_B), r);
   __m256 p = _mm256_set1_ps(EXP_P[0]);
@@ -309,8 +318,10 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ));
-  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ));
+  const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+  const __m256 high = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ);
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), low);
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), high);
   return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
@@ -453,7 +464,8 @@ void attention_item(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh, 
       w.cnt[q] = int32_t(std::clamp<int64_t>(w.n[q] - s0, 0, a.split));
       c_max = std::max<int64_t>(c_max, w.cnt[q]);
     }
-    for (int64_t j = 0; j < c_max; ++j) w.kp[j] = a.key(b, s0 + j, kh), w.vp[j] = a.val(b, s0 + j, kh);
+    for (int64_t j = 0; j < c_max; ++j)
+      w.kp[j] = a.key(b, s0 + j, kh), w.vp[j] = a.val(b, s0 + j, kh);
     item_softmax(w, c_max, D);
     item_pv(w, c_max, D);
     for (int64_t q = 0; q < w.Q; ++q)
