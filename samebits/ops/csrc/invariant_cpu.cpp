@@ -443,7 +443,7 @@ int64_t item_queries(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh,
   w.Q = rows * G, w.Qp = (w.Q + 7) / 8 * 8;
   w.qs.assign(w.Qp * D, 0.f), w.n.assign(w.Qp, 0), w.cnt.assign(w.Qp, 0);
   w.m.resize(w.Qp), w.l.resize(w.Qp), w.m_s.resize(w.Qp), w.l_s.resize(w.Qp);
-  w.acc.resize(w.Q * D), w.s.resize(a.split * w.Qp), w.kp.resize(a.split), w.vp.resize(a.split);
+  w.acc.resize(w.Q * D);
   int64_t n_max = 0;
   for (int64_t q = 0; q < w.Q; ++q) {
     const float* src = a.q + ((t0 + q / G) * a.hq + kh * G + q % G) * D;
@@ -451,6 +451,8 @@ int64_t item_queries(const Attn<float>& a, int64_t t0, int64_t rows, int64_t kh,
     w.n[q] = a.q_nkeys[t0 + q / G];
     n_max = std::max<int64_t>(n_max, w.n[q]);
   }
+  const int64_t keys = std::min(a.split, n_max);  // the most keys of one split
+  w.s.resize(keys * w.Qp), w.kp.resize(keys), w.vp.resize(keys);
   return n_max;
 }
 
