@@ -32,6 +32,15 @@ namespace {
 constexpr int64_t NB = 48;  // packed output columns per weight block
 constexpr int LANES = 8;    // dot-product lanes of the attention scores
 
+// A call with less work than this (flops) runs on the calling thread: waking the other threads
+// costs more, and on an oversubscribed machine a parallel region can wait a whole time slice.
+constexpr int64_t PARALLEL_MIN_FLOP = int64_t(1) << 22;
+
+// at::parallel_for's grain (items per thread at least) for items of flop_per_item each
+int64_t grain(int64_t flop_per_item) {
+  return std::max<int64_t>(1, PARALLEL_MIN_FLOP / std::max<int64_t>(1, flop_per_item));
+}
+
 bool g_vectorize = true;  // off: the scalar paths run (tests prove both give the same bits)
 
 bool has_avx2() {
@@ -152,7 +161,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* w = wp.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t flop = 2 * std::min(ROWS_PER_ITEM, M) * NB * K;
+    at::parallel_for(0, blocks * row_blocks, grain(flop), [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t m0 = (i % row_blocks) * ROWS_PER_ITEM;
         linear_item<scalar_t>(xp, K, m0, std::min(ROWS_PER_ITEM, M - m0), w, n, i / row_blocks,
@@ -493,6 +503,10 @@ std::vector<std::pair<int64_t, int64_t>> row_blocks(const int32_t* q_seq, int64_
   return blocks;
 }
 
+int64_t max_keys(const int32_t* q_nkeys, int64_t T_) {
+  return T_ > 0 ? *std::max_element(q_nkeys, q_nkeys + T_) : 0;
+}
+
 template <typename T>
 bool attention_avx2(const Attn<T>&, int64_t) { return false; }
 
@@ -500,7 +514,8 @@ bool attention_avx2(const Attn<T>&, int64_t) { return false; }
 bool attention_avx2(const Attn<float>& a, int64_t T_) {
   if (!has_avx2() || a.D % (2 * LANES) != 0) return false;
   const auto blocks = row_blocks(a.q_seq, T_);
-  at::parallel_for(0, int64_t(blocks.size()) * a.hkv, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t flop = 4 * QROWS * (a.hq / a.hkv) * a.D * max_keys(a.q_nkeys, T_);
+  at::parallel_for(0, int64_t(blocks.size()) * a.hkv, grain(flop), [&](int64_t i0, int64_t i1) {
     ItemBuf w;
     for (int64_t i = i0; i < i1; ++i)
       attention_item(a, blocks[i / a.hkv].first, blocks[i / a.hkv].second, i % a.hkv, w);
@@ -525,7 +540,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      out.data_ptr<scalar_t>(), hq, hkv, D, k_cache.size(1),
                      block_tables.size(1), split, scalar_t(scale)};
     if (attention_avx2(a, T_)) return;
-    at::parallel_for(0, T_ * hq, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t flop = 4 * D * max_keys(a.q_nkeys, T_);
+    at::parallel_for(0, T_ * hq, grain(flop), [&](int64_t i0, int64_t i1) {
       std::vector<scalar_t> buf(3 * D + split);
       for (int64_t i = i0; i < i1; ++i)
         a.run(i / hq, i % hq, buf.data(), buf.data() + 3 * D, buf.data() + D, buf.data() + 2 * D);
