@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--only", choices=["linear", "attention"], default=None)
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.only != "linear":
         bench_attention("prefill_chunk", [args.chunk], args.context, args.repeats)
         bench_attention("decode", [1] * args.decode_batch, args.context, args.repeats)
