@@ -1,9 +1,9 @@
 """The invariant CPU kernels (``csrc/invariant_cpu.cpp``), compiled on first use and cached.
 
 The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extension
-cache, under a name carrying the source's hash: a changed source builds anew, an unchanged one
-loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError`` naming the cause;
-there is no silent fallback (another arithmetic would give other bits).
+cache, under a name carrying the hash of the source and flags: a changed source builds anew, an
+unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError``
+naming the cause; there is no silent fallback (another arithmetic would give other bits).
 
 ``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC`` names
 it for the CPU fingerprint, so any change to that arithmetic must change this string.
@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 PACK_N = 48  # output columns per packed weight block (the C++ NB)
-ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|split-merge-fma"
+ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|exp-cephes5-fma|split-merge-fma"
+# -fopenmp: at::parallel_for runs its OpenMP loop only where the including code is built with it
+# (the OpenMP runtime is torch's own libgomp, already loaded)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _loaded = False
 
@@ -36,12 +40,12 @@ def load() -> None:
     with _lock:
         if _loaded:
             return
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(SOURCE.read_bytes() + repr(_FLAGS).encode()).hexdigest()[:12]
         try:
             from torch.utils import cpp_extension
             cpp_extension.load(name=f"samebits_cpu_{digest}", sources=[str(SOURCE)],
-                               extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False,
-                               verbose=False)
+                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001 -- any build failure is reported the same way
             raise KernelBuildError(
                 f"could not build samebits' invariant CPU kernels ({SOURCE.name}): {e}. They need "
@@ -82,10 +86,17 @@ def forget_packed(module: torch.nn.Module) -> None:
             del p._samebits_packed
 
 
-def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain."""
+def linear(x: torch.Tensor, wp: torch.Tensor, n: int,
+           k_bounds: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] contiguous @ the packed weight -> [M, n], each element one ascending-K fma chain.
+
+    ``k_bounds`` [0, k1, ..., K] (sorted): each K segment runs its own chain from +0 and the
+    segment partials are added in segment order in x's dtype, ((p0 + p1) + p2) ..."""
     load()
-    return torch.ops.samebits_cpu.linear(x, wp, n)
+    if k_bounds is not None:
+        k_bounds = [int(b) for b in (k_bounds.tolist() if isinstance(k_bounds, torch.Tensor)
+                                     else k_bounds)]
+    return torch.ops.samebits_cpu.linear(x, wp, n, k_bounds)
 
 
 def set_vectorized(on: bool) -> bool:

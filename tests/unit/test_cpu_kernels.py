@@ -83,3 +83,84 @@ def test_avx2_and_scalar_paths_give_the_same_bits() -> None:
     finally:
         cpu_kernels.set_vectorized(before)
     assert torch.equal(vec[0], scalar[0]) and torch.equal(vec[1], scalar[1])
+
+
+def _mixed_attention_case(hq: int, hkv: int, d: int, block: int, seed: int):
+    """Two sequences over shuffled blocks: a 37-row causal chunk ending 3 keys short of the cache,
+    and 6 single rows of assorted lengths (one of them 0 keys: a padding row)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = max(16, 2 * (320 // block))
+    k, v = torch.randn(nblk, block, hkv, d, generator=g), torch.randn(nblk, block, hkv, d, generator=g)
+    tables = torch.randperm(nblk, generator=g).to(torch.int32).view(2, nblk // 2).contiguous()
+    cap = nblk // 2 * block
+    nkeys = list(range(cap - 39, cap - 2)) + [1, 2, 50, cap, 3, 0]
+    seq = [0] * 37 + [1] * 6
+    q = torch.randn(len(seq), hq, d, generator=g)
+    plan = reference.SplitPlan(tables, torch.tensor(seq, dtype=torch.int32),
+                               torch.tensor(nkeys, dtype=torch.int32))
+    return q, k, v, plan
+
+
+def _row_plan(plan: reference.SplitPlan, t: int) -> reference.SplitPlan:
+    return reference.SplitPlan(plan.block_tables, plan.q_seq[t:t + 1], plan.q_nkeys[t:t + 1])
+
+
+def test_batched_query_attention_equals_one_query_at_a_time() -> None:
+    # GQA groups of 3 and 1, head dims 64 and 32, splits that do not divide the key counts
+    for hq, hkv, d, block, split in [(9, 3, 64, 16, 128), (6, 2, 64, 16, 20), (4, 4, 32, 8, 7)]:
+        q, k, v, plan = _mixed_attention_case(hq, hkv, d, block, seed=hq + d)
+        whole = reference.split_attention(q, k, v, plan, d ** -0.5, split)
+        for t in range(q.shape[0]):
+            alone = reference.split_attention(q[t:t + 1], k, v, _row_plan(plan, t), d ** -0.5, split)
+            assert torch.equal(alone, whole[t:t + 1]), (hq, hkv, d, split, t)
+        assert torch.equal(whole[-1], torch.zeros_like(whole[-1]))  # the 0-key row
+        # negative control: another split size gives other bits, so equality above is not trivial
+        other = reference.split_attention(q, k, v, plan, d ** -0.5, split + 1)
+        assert not torch.equal(other, whole)
+
+
+def test_batched_attention_avx2_equals_the_scalar_path_for_mixed_lengths() -> None:
+    q, k, v, plan = _mixed_attention_case(9, 3, 64, 16, seed=5)
+    vec = reference.split_attention(q, k, v, plan, 0.125, 128)
+    before = cpu_kernels.set_vectorized(False)
+    try:
+        scalar = reference.split_attention(q, k, v, plan, 0.125, 128)
+    finally:
+        cpu_kernels.set_vectorized(before)
+    assert torch.equal(vec, scalar)
+
+
+def test_attention_with_the_kernel_exp_is_close_to_float64() -> None:
+    q, k, v, plan = _mixed_attention_case(6, 2, 64, 16, seed=6)
+    out = reference.split_attention(q * 4, k, v, plan, 0.125, 16)  # wide score range
+    ref = reference.split_attention((q * 4).double(), k.double(), v.double(), plan, 0.125, 16)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, k_bounds=None) -> torch.Tensor:
+    return cpu_kernels.linear(x.contiguous(), cpu_kernels.pack_weight(w.contiguous()), w.shape[0],
+                              k_bounds)
+
+
+def test_segmented_k_linear_equals_the_ordered_sum_of_per_segment_products() -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(100, 577, generator=g)
+    bounds = [0, 200, 390, 577]  # segments longer and shorter than the kernel's K block
+    segs = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    xs = [torch.randn(m, 577, generator=g) for m in (1, 2, 3, 17, 128)]
+    results = {}
+    for vectorized in (True, False):
+        before = cpu_kernels.set_vectorized(vectorized)
+        try:
+            for x in xs:
+                m = x.shape[0]
+                parts = [_packed_linear(x[:, s], w[:, s]) for s in segs]
+                got = results[vectorized, m] = _packed_linear(x, w, bounds)
+                assert torch.equal(got, (parts[0] + parts[1]) + parts[2]), (vectorized, m)
+                assert torch.equal(_packed_linear(x, w, torch.tensor(bounds)), got)
+                assert torch.equal(_packed_linear(x, w, [0, 577]), _packed_linear(x, w))
+                # negative control: the segmented sum is another arithmetic than one chain
+                assert not torch.equal(got, _packed_linear(x, w))
+        finally:
+            cpu_kernels.set_vectorized(before)
+    assert all(torch.equal(results[True, x.shape[0]], results[False, x.shape[0]]) for x in xs)
