@@ -5,8 +5,9 @@ cache, under a name carrying the hash of the source and flags: a changed source 
 unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError``
 naming the cause; there is no silent fallback (another arithmetic would give other bits).
 
-``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC`` names
-it for the CPU fingerprint, so any change to that arithmetic must change this string.
+``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC``, the
+digest of that source and the compile flags, names it in the CPU fingerprint (derived, so no edit
+of the kernels can leave a stale name).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 PACK_N = 48  # output columns per packed weight block (the C++ NB)
-ARITHMETIC = "cpu-fma-k-seq|pack48|attn-lanes8-tree|exp-cephes5-fma|split-merge-fma"
 # -fopenmp: at::parallel_for runs its OpenMP loop only where the including code is built with it
 # (the OpenMP runtime is torch's own libgomp, already loaded)
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_DIGEST = hashlib.sha256(SOURCE.read_bytes() + repr(_FLAGS).encode()).hexdigest()[:12]
+ARITHMETIC = f"cpp-{_DIGEST}"
 _lock = threading.Lock()
 _loaded = False
 
@@ -40,10 +42,9 @@ def load() -> None:
     with _lock:
         if _loaded:
             return
-        digest = hashlib.sha256(SOURCE.read_bytes() + repr(_FLAGS).encode()).hexdigest()[:12]
         try:
             from torch.utils import cpp_extension
-            cpp_extension.load(name=f"samebits_cpu_{digest}", sources=[str(SOURCE)],
+            cpp_extension.load(name=f"samebits_cpu_{_DIGEST}", sources=[str(SOURCE)],
                                extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001 -- any build failure is reported the same way

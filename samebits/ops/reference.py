@@ -2,9 +2,10 @@
 
 - ``linear``: each output element is one fma chain over K in ascending order (the C++ kernel of
   ``cpu_kernels``), whatever the number of rows, their position or the thread count. With
-  ``k_bounds`` (segmented K, ``samebits.ops.backend``): one such chain per K segment, from zero,
-  over that segment's columns (one kernel call per segment on its contiguous slice, the weight's
-  K slices packed once and kept), the fp32 partials added in segment order.
+  ``k_bounds`` (segmented K, ``samebits.ops.backend``): the chain restarts from zero at every
+  segment boundary and the fp32 partials are added in segment order, in the kernel.
+  ``linear_partials`` (a tensor-parallel rank's partials) runs one call per segment on its
+  contiguous slice (the weight's K slices packed once and kept): the same partials.
 - ``silu_mul`` with ``k_bounds``: one SiLU call per down_proj K segment (a rank's shapes).
 - row reductions (RMSNorm, softmax, log_softmax) run tile by tile on ``[TILE_M, H]`` blocks, so the
   library underneath always sees one problem shape.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels
-from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, ordered_sum, register
+from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, register
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
@@ -38,10 +39,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     *lead, k = x.shape
     n, cdt = w.shape[0], _compute_dtype(x.dtype)
     x2 = x.reshape(-1, k).to(cdt).contiguous()
-    if k_bounds is None:
-        out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n)
-    else:
-        out = ordered_sum(_partials(x2, w, k_bounds))
+    edges = None
+    if k_bounds is not None:
+        check_k_bounds(k_bounds, k)
+        edges = [lo for lo, _ in k_bounds] + [k]
+    out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n, edges)
     out = out.to(x.dtype)
     if b is not None:
         out = out + b
@@ -81,7 +83,6 @@ def _packed_segments(w: torch.Tensor, dtype: torch.dtype, k_bounds: KBounds
     if key is not None:
         setattr(w, _SEGMENT_PACKS, (key, packs))
     return packs
-
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
