@@ -71,7 +71,15 @@ def _rates(run: Runner, batch: int, max_tokens: int) -> tuple[float, float]:
 
 
 def side_by_side(args: argparse.Namespace) -> None:
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        _side_by_side(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _side_by_side(args: argparse.Namespace) -> None:
     engines = {mode: LLM(args.model, load_format=args.load_format, device="cpu", dtype="float32",
                          batch_invariant=mode == "invariant", enable_prefix_caching=False,
                          max_num_seqs=max(args.batch_sizes))
