@@ -12,11 +12,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _segment_range(seg, SEG_BASE, SEG_EXTRA, K):
+def _segment_range(seg, SEG_BASE, SEG_EXTRA, K, EVEN_K: tl.constexpr):
     """[k_lo, k_hi) of K segment ``seg``: ``SEG_BASE`` columns, one more for the first
-    ``SEG_EXTRA`` segments, clipped to K (linear.py's ``SegmentLayout``)."""
-    k_lo = seg * SEG_BASE + tl.minimum(seg, SEG_EXTRA)
-    k_hi = tl.minimum(k_lo + SEG_BASE + tl.where(seg < SEG_EXTRA, 1, 0), K)
+    ``SEG_EXTRA`` segments, clipped to K (linear.py's ``SegmentLayout``). EVEN_K implies
+    SEG_EXTRA == 0: then k_lo is a plain multiple of SEG_BASE, which keeps the compiler's proof
+    that the loads are aligned (16-byte vector loads; a ``minimum`` term would lose it)."""
+    if EVEN_K:
+        k_lo = seg * SEG_BASE
+        k_hi = tl.minimum(k_lo + SEG_BASE, K)
+    else:
+        k_lo = seg * SEG_BASE + tl.minimum(seg, SEG_EXTRA)
+        k_hi = tl.minimum(k_lo + SEG_BASE + tl.where(seg < SEG_EXTRA, 1, 0), K)
     return k_lo, k_hi
 
 
@@ -43,7 +49,7 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_ps"])  # one compile serves every row count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    stride_ps, SEG_BASE, SEG_EXTRA, NUM_SEGS, SPLIT: tl.constexpr,
                    MULTI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -69,16 +75,19 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = (rows % M).to(tl.int64)  # clamped rows/cols: loads need no masks, the store is masked
     offs_n = (cols % N).to(tl.int64)
-    seg = tl.program_id(1)  # SPLIT: this program's segment; fused: 0 (a grid of one column)
-    k_lo, k_hi = _segment_range(seg, SEG_BASE, SEG_EXTRA, K)
-    total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
-    if SPLIT:
+    if SPLIT:  # this program's segment only
+        seg = tl.program_id(1)
+        k_lo, k_hi = _segment_range(seg, SEG_BASE, SEG_EXTRA, K, EVEN_K)
+        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         out_ptr += seg * stride_ps
-    else:
+    else:  # every segment, from a compile-time 0: the first one's loads start aligned
+        k_lo, k_hi = _segment_range(0, SEG_BASE, SEG_EXTRA, K, EVEN_K)
+        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if MULTI:  # NUM_SEGS > 1
             for s in range(1, NUM_SEGS):
-                k_lo, k_hi = _segment_range(s, SEG_BASE, SEG_EXTRA, K)
+                k_lo, k_hi = _segment_range(s, SEG_BASE, SEG_EXTRA, K, EVEN_K)
                 total += _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm,
                                       stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if HAS_BIAS:
@@ -88,7 +97,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl.constexpr,
                          BLOCK: tl.constexpr):
     """out = ((p0 + p1) + p2) ... (+ b): the fused kernel's sum, element by element."""
@@ -102,7 +111,7 @@ def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):

@@ -18,7 +18,7 @@ import triton.language as tl
 MAX_BLOCK = 65536
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stride_r, stride_o,
                      stride_s, eps, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):
