@@ -160,14 +160,21 @@ def register(device_type: str, batch_invariant: bool):
 
 
 def get_backend(device: torch.device | str, batch_invariant: bool) -> OpBackend:
-    """The one place a backend is chosen."""
-    device_type = torch.device(device).type
-    _load_builtin_backends(device_type)
-    key = (device_type, batch_invariant)
-    if key not in _REGISTRY:
-        mode = "batch-invariant" if batch_invariant else "standard"
-        raise ValueError(f"no {mode} op backend for device {device_type!r}")
-    return _REGISTRY[key]()
+    """The one place a backend is chosen. Backends hold no state, so one instance per (device
+    type, mode) serves every caller."""
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    backend = _INSTANCES.get((device_type, batch_invariant))
+    if backend is None:
+        _load_builtin_backends(device_type)
+        key = (device_type, batch_invariant)
+        if key not in _REGISTRY:
+            mode = "batch-invariant" if batch_invariant else "standard"
+            raise ValueError(f"no {mode} op backend for device {device_type!r}")
+        backend = _INSTANCES[key] = _REGISTRY[key]()
+    return backend
+
+
+_INSTANCES: dict[tuple[str, bool], OpBackend] = {}
 
 
 def _load_builtin_backends(device_type: str) -> None:

@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from samebits.ops.backend import KBounds, check_k_bounds
 from samebits.ops.triton import linear_kernels as K
+from samebits.ops.triton.launcher import Launcher, aligned
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
 SPLIT_MAX_M = 64  # at or below this many rows, segments run as separate programs (split-K)
@@ -104,6 +105,7 @@ def segment_len(k: int, n: int) -> int:
     return -(-k // (s * SEGMENT_ALIGN)) * SEGMENT_ALIGN
 
 
+@functools.lru_cache(maxsize=4096)
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     """Tile shape for an M-row product (free to vary: it does not change the bits)."""
     if dtype == torch.float32:  # FMA path: small tiles, BLOCK_K divides SEGMENT_ALIGN
@@ -128,20 +130,24 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            k_bounds: KBounds | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K].T (+ b) -> [..., N]; see the module docstring for the contract."""
-    *lead, k = x.shape
-    n = w.shape[0]
+    k, n = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = x.new_empty(m, n)
-    segments = num_segments(k, n) if k_bounds is None else SegmentLayout.from_bounds(k_bounds, k)
+    if k_bounds is None:
+        cfg = pick_config(m, n, k, x.dtype)
+        if m and n:
+            run(x2, w, b, out, cfg, num_segments(k, n))
+        return out.reshape(*x.shape[:-1], n)
+    segments = SegmentLayout.from_bounds(k_bounds, k)
     cfg = pick_config(m, n, k, x.dtype)
-    if k_bounds is not None and m > SPLIT_MAX_M and x.dtype != torch.float32:
+    if m > SPLIT_MAX_M and x.dtype != torch.float32:
         cfg = SEGMENTED_FUSED  # two tile accumulators in registers: the TMA tiles would spill
     if m and n:
-        run(x2, w, b if k_bounds is None else None, out, cfg, segments)
-    if k_bounds is not None and b is not None:
+        run(x2, w, None, out, cfg, segments)
+    if b is not None:
         out = out + b
-    return out.reshape(*lead, n)
+    return out.reshape(*x.shape[:-1], n)
 
 
 def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
@@ -167,26 +173,37 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     n = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    layout = SegmentLayout.uniform(k, segments) if isinstance(segments, int) else segments
+    layout = _uniform(k, segments) if isinstance(segments, int) else segments
     segs, keep = layout.count, out.dim() == 3  # keep: the caller wants the partials themselves
     if cfg.tma and segs == 1 and not keep and _tma_ok(x, w, out):
         return _run_tma(x, w, b, out, cfg)
     split = keep or (segs > 1 and (m <= SPLIT_MAX_M if split is None else split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     target = out if keep or not split else x.new_empty(segs, m, n, dtype=torch.float32)
-    K._linear_kernel[(tiles, segs if split else 1)](
-        x, w, b if b is not None else x, target, m, n, k, x.stride(0), w.stride(0),
-        target.stride(-2), m * n, SEG_BASE=layout.base, SEG_EXTRA=layout.extra, NUM_SEGS=segs,
-        SPLIT=split, MULTI=segs > 1, HAS_BIAS=b is not None and not split, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=layout.even(k, cfg.block_k), PRECISION=precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    bias = b if b is not None else x
+    even = layout.even(k, cfg.block_k)
+    key = (x.dtype, w.dtype, target.dtype, b is not None, n, k, x.stride(0), w.stride(0),
+           target.stride(-2), layout, split, cfg, even, aligned(x, w, bias, target))
+    _LINEAR(key, (tiles, segs if split else 1), x, w, bias, target, m, n, k, x.stride(0),
+            w.stride(0), target.stride(-2), m * n, layout.base, layout.extra, segs, split,
+            segs > 1, b is not None and not split, cfg.block_m, cfg.block_n, cfg.block_k,
+            cfg.group_m, even, "ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split and not keep:
         block = 1024
-        K._sum_partials_kernel[(triton.cdiv(m * n, block),)](
-            target, b if b is not None else x, out, m * n, n, NUM_SEGS=segs,
-            HAS_BIAS=b is not None, BLOCK=block, num_warps=4)
+        _SUM_PARTIALS((target.dtype, out.dtype, b is not None, segs, aligned(target, bias, out)),
+                      (triton.cdiv(m * n, block),), target, bias, out, m * n, n, segs,
+                      b is not None, block, num_warps=4)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform(k: int, segments: int) -> SegmentLayout:
+    return SegmentLayout.uniform(k, segments)
+
+
+_LINEAR = Launcher(K._linear_kernel)
+_SUM_PARTIALS = Launcher(K._sum_partials_kernel)
+_TMA = Launcher(K._linear_tma_kernel)
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -206,9 +223,11 @@ def _run_tma(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torc
     n = w.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, _num_sms(x.device.index or 0) if x.is_cuda else 4)
-    K._linear_tma_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), b if b is not None else x, m, n, k,
-        HAS_BIAS=b is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    programs = min(tiles, sms)
+    bias = b if b is not None else x
+    key = (x.dtype, w.dtype, out.dtype, b is not None, n, k, cfg, programs, aligned(bias))
+    _TMA(key, (programs,), TensorDescriptor.from_tensor(x, [bm, bk]),
+         TensorDescriptor.from_tensor(w, [bn, bk]), TensorDescriptor.from_tensor(out, [bm, bn]),
+         bias, m, n, k, b is not None, bm, bn, bk, cfg.group_m, programs,
+         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

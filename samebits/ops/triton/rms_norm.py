@@ -11,9 +11,13 @@ with the product taken in fp32 and rounded once to ``promote(w.dtype, x.dtype)``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from samebits.ops.triton.launcher import Launcher, aligned
 
 MAX_BLOCK = 65536
 
@@ -45,6 +49,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stri
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
 def _shape(h: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK, num_warps): a function of the hidden size alone."""
     block = triton.next_power_of_2(h)
@@ -61,17 +66,27 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
     x2 = x.reshape(-1, h)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty(x2.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
+    out = x2.new_empty(x2.shape, dtype=_out_dtype(w.dtype, x.dtype))
     summed = torch.empty_like(x2) if r is not None else None
     r2 = r.reshape(-1, h).contiguous() if r is not None else x2
     if m:
         rows, block, warps = _shape(h)
         s = summed if summed is not None else out
-        _rms_norm_kernel[(triton.cdiv(m, rows),)](
-            x2, r2, w, out, s, m, h, x2.stride(0), r2.stride(0), out.stride(0), s.stride(0),
-            eps, HAS_RES=r is not None, ROWS=rows, BLOCK=block, num_warps=warps)
+        key = (x2.dtype, r2.dtype, w.dtype, out.dtype, h, x2.stride(0), r2.stride(0),
+               out.stride(0), s.stride(0), eps, r is not None, aligned(x2, r2, w, out, s))
+        _RMS_NORM(key, (triton.cdiv(m, rows),), x2, r2, w, out, s, m, h, x2.stride(0),
+                  r2.stride(0), out.stride(0), s.stride(0), eps, r is not None, rows, block,
+                  num_warps=warps)
     lead = x.shape[:-1]
     return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
+
+
+@functools.cache
+def _out_dtype(w: torch.dtype, x: torch.dtype) -> torch.dtype:
+    return torch.promote_types(w, x)
+
+
+_RMS_NORM = Launcher(_rms_norm_kernel)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
