@@ -124,20 +124,33 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = self._capture(max_len)
 
-    def _capture(self, max_len: int) -> float:
-        sizes = sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
-        lens, top = [], len_bucket(max_len, self.split_size)
-        while top >= self.split_size:
+    @staticmethod
+    def buckets(max_batch: int, max_len: int, split_size: int) -> tuple[list[int], list[int]]:
+        """(batch buckets, length buckets), largest first: the graphs a decode step can need."""
+        sizes = sorted({batch_bucket(n) for n in range(1, max_batch + 1)}, reverse=True)
+        lens, top = [], len_bucket(max_len, split_size)
+        while top >= split_size:
             lens.append(top)
             top //= 2
+        return sizes, lens
+
+    @classmethod
+    def count(cls, max_batch: int, max_len: int, split_size: int) -> int:
+        sizes, lens = cls.buckets(max_batch, max_len, split_size)
+        return len(sizes) * len(lens)
+
+    def _capture(self, max_len: int) -> float:
+        sizes, lens = self.buckets(self.max_batch, max_len, self.split_size)
         start = time.perf_counter()
+        before = torch.cuda.memory_allocated()
         keys = [(size, n) for n in lens for size in sizes]  # largest first: the pool is sized once
         for size, n in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
             self.graphs[(size, n)] = _Captured(self.model, self.kv_caches, size, n, self.block_size,
                                                self.split_size, self.scratch_block, self.pool)
         seconds = time.perf_counter() - start
-        log.info("captured %d decode CUDA graphs (batch buckets %s, contexts up to %d) in %.1f s",
-                 len(keys), sizes[::-1], lens[0], seconds)
+        self.memory_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured %d decode CUDA graphs (batch buckets %s, contexts up to %d) in %.1f s, "
+                 "%.0f MiB", len(keys), sizes[::-1], lens[0], seconds, self.memory_bytes / 2**20)
         return seconds
 
     def fits(self, num_seqs: int) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine import sampler
-from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
+from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket
 from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
 from samebits.engine.scheduler import ScheduledBatch
@@ -51,6 +51,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model, self.config = loaded.model, config
+        self.max_model_len = loaded.max_model_len
+        self.reserved_bytes = 0  # CUDA: activation + graph-pool bytes kept out of the KV budget
         cfg = loaded.model_config
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
@@ -71,12 +73,79 @@ class ModelRunner:
                                        scratch_block=self.num_blocks)
 
     def _kv_budget(self) -> int:
+        """Bytes for the KV cache: as configured, else 1 GiB on CPU; on CUDA 90% of what is free
+        once the activations of the largest step and the CUDA-graph pool are set aside
+        (``_activation_reserve``, measured)."""
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.8)
-        return 1 << 30
+        if self.device.type != "cuda":
+            return 1 << 30
+        self.reserved_bytes = self._activation_reserve()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, int((free - self.reserved_bytes) * 0.9))
+
+    @torch.inference_mode()
+    def _activation_reserve(self) -> int:
+        """Peak bytes of an eager prefill of ``max_num_batched_tokens`` tokens with its sampling
+        rows, plus, when decode steps run in CUDA graphs, the graph pool: the peak of a decode step
+        of ``max_num_seqs`` sequences planned for the longest context (the temporaries every
+        captured graph shares) and each graph's output. Measured on a scratch cache just large
+        enough, which is then freed."""
+        cfg, model, bs = self.config, self.model, self.config.block_size
+        t = cfg.max_num_batched_tokens
+        nb = -(-t // bs) + 1
+        shape = (nb, bs, model.cfg.num_key_value_heads, model.cfg.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(model.cfg.num_hidden_layers)]
+        prefill = self._peak(lambda: self._scratch_prefill(caches, t, nb))
+        if cfg.enforce_eager:
+            return prefill
+        n = min(batch_bucket(cfg.max_num_seqs), t)
+        decode = self._peak(lambda: self._scratch_decode(caches, n))
+        outputs = DecodeGraphs.count(cfg.max_num_seqs, self._graph_len(), cfg.attention_split_size) \
+            * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
+        return prefill + decode + outputs
+
+    def _peak(self, fn) -> int:
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def _scratch_prefill(self, caches: list, t: int, nb: int) -> None:
+        dev, rows = self.device, min(t, self.config.max_num_seqs)
+        meta = AttentionMetadata(
+            block_tables=torch.arange(nb - 1, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            slot_mapping=torch.arange(t, device=dev), seq_lens_list=(t,),
+            query_start_loc_list=(0, t), block_size=self.block_size,
+            split_size=self.config.attention_split_size)
+        hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev),
+                            torch.arange(t, device=dev), caches, self.model.ops.plan_attention(meta))
+        self.model.ops.log_softmax(self.model.compute_logits(hidden[-rows:]))
+
+    def _scratch_decode(self, caches: list, n: int) -> None:
+        """One eager decode step of ``n`` sequences planned as the widest graph is."""
+        dev, max_len = self.device, self._graph_len()
+        width = -(-max_len // self.block_size)
+        meta = AttentionMetadata(
+            block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.arange(n, device=dev), seq_lens_list=(max_len,) * n,
+            query_start_loc_list=tuple(range(n + 1)), block_size=self.block_size,
+            split_size=self.config.attention_split_size)
+        pos = torch.zeros(n, dtype=torch.int32, device=dev)
+        meta = self.model.ops.plan_decode(meta, pos, max_len)
+        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), pos.long(), caches, meta)
+        self.model.ops.log_softmax(self.model.compute_logits(hidden))
+
+    def _graph_len(self) -> int:
+        return self.max_model_len
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
