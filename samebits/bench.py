@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -53,6 +54,26 @@ def run(args: argparse.Namespace, invariant: bool) -> dict:
             "cuda_graphs": _num_graphs(llm),
             "prompt_tokens": args.prompt_len * len(prompts), "generated_tokens": generated,
             "seconds": round(seconds, 3), "gen_tokens_per_s": round(generated / seconds, 2)}
+
+
+def _limit(args: argparse.Namespace, results: dict) -> dict:
+    """The workload's physical limit (samebits.roofline) and each mode's share of it."""
+    from samebits.config import ModelConfig
+    from samebits.roofline import limit_seconds, measure_ceilings
+
+    path = Path(args.model or "")
+    path = path / "config.json" if path.is_dir() else path
+    if path.suffix != ".json":
+        return {}
+    cfg, ceil = ModelConfig.from_file(path), measure_ceilings()
+    seconds = limit_seconds(cfg, 2, args.num_prompts, args.prompt_len, args.max_tokens,
+                            args.max_num_seqs, ceil)
+    limit = args.num_prompts * args.max_tokens / seconds
+    return {"copy_GB_s": round(ceil.bytes_per_s / 1e9, 1),
+            "mma_TFLOP_s": round(ceil.flops_per_s / 1e12, 1),
+            "physical_limit_tok_s": round(limit, 1)} | {
+        f"{mode}_over_limit": round(r["gen_tokens_per_s"] / limit, 3)
+        for mode, r in results.items()}
 
 
 def _device_name(device: torch.device) -> str:
@@ -96,7 +117,7 @@ def run_both(args: argparse.Namespace) -> None:
         print(json.dumps(r), flush=True)
     ratio = results["invariant"]["gen_tokens_per_s"] / results["standard"]["gen_tokens_per_s"]
     print(json.dumps({"bench": "e2e", "enforce_eager": args.enforce_eager,
-                      "ratio_invariant_over_standard": round(ratio, 3)}))
+                      "ratio_invariant_over_standard": round(ratio, 3)} | _limit(args, results)))
     inv, std = results["invariant"], results["standard"]
     print(f"invariant {inv['gen_tokens_per_s']} tok/s, standard {std['gen_tokens_per_s']} tok/s "
           f"({ratio:.3f}x) on {inv['device']}, {inv['requests']} requests", file=sys.stderr)
