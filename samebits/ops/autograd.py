@@ -24,10 +24,11 @@ from functools import partial
 
 import torch
 
-from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend
+from samebits.ops import rope
+from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend, norm_with_residual
 
 __all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "attention_sdpa",
-           "attention_vjp", "rms_norm_reference"]
+           "attention_vjp", "rms_norm_reference", "silu_mul_reference"]
 
 # The backward's fast paths on CUDA (module switches, so a test can compare with the formulas):
 # attention's VJP through stock SDPA's flash kernel in its deterministic mode, and a one-pass
@@ -96,6 +97,10 @@ def invariant_apply(fwd: Callable, ref: Callable, *xs: torch.Tensor | None) -> t
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
 
 
 ATTENTION_CHUNK_ELEMENTS = 1 << 27  # score elements per padded group of the attention backward
@@ -340,13 +345,32 @@ class DifferentiableOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:
-        """Stock elementwise ops: autograd runs through the inner backend's own calls."""
-        return self.inner.silu_mul(gate, up, k_bounds)
+        """The inner backend's bits (one kernel on CUDA); the gradients of ``F.silu(g) * u``."""
+        return invariant_apply(partial(self.inner.silu_mul, k_bounds=k_bounds), silu_mul_reference,
+                               gate, up)
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if _needs_grad(x, w):
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``residual`` and gradients: the stock add, then this norm (the one-pass kernel's
+        bits)."""
+        if residual is not None and _needs_grad(x, w, residual):
+            return norm_with_residual(self.rms_norm, x, w, eps, residual)
+        if residual is None and _needs_grad(x, w):
             return _RMSNorm.apply(self.inner.rms_norm, x, w, eps)
-        return self.inner.rms_norm(x, w, eps)
+        return self.inner.rms_norm(x, w, eps, residual)
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int) -> torch.Tensor:
+        """With gradients: the composition (``samebits.ops.rope``) over this ``rms_norm``, stock
+        RoPE and ``index_copy_`` into the caches, all differentiable; else the inner backend's op
+        (fused on CUDA). Both give the inner backend's bits."""
+        args = (qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, hq, hkv, d)
+        if _needs_grad(qkv, q_norm, k_norm):
+            return rope.qkv_rope_store(self.rms_norm, *args)
+        return self.inner.qkv_rope_store(*args)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         if _needs_grad(x):
