@@ -3,12 +3,13 @@
 
 Every reduction goes through the ``OpBackend`` the model was built with; everything else here is
 elementwise and does the same casts in the same order on every path, so the invariance of the
-backend carries over to the logits. The residual stream is carried as in nano-vLLM: a layer returns
-(its MLP output, the stream before it) and the next RMSNorm adds the two (``rms_norm(x, w, eps,
-residual)``), the bits of separate adds; q/k norm, RoPE and the KV-cache write are one op
-(``qkv_rope_store``), which a backend may fuse. The row-parallel linears (o_proj, down_proj) pass the model's
-K segments (``samebits.distributed.segments.k_bounds``: S = the KV heads) to the backend, so one
-device computes the tensor-parallel arithmetic and gives the bits of every TP size.
+backend carries over to the logits. The residual stream is carried as in nano-vLLM: a layer
+returns (its MLP output, the stream before it) and the next RMSNorm adds the two
+(``rms_norm(x, w, eps, residual)``), the bits of separate adds; q/k norm, RoPE and the KV-cache
+write are one op (``qkv_rope_store``), which a backend may fuse. The row-parallel linears (o_proj,
+down_proj) pass the model's K segments (``samebits.distributed.segments.k_bounds``: S = the KV
+heads) to the backend, so one device computes the tensor-parallel arithmetic and gives the bits
+of every TP size.
 Shapes: T = tokens in the flat batch, H = hidden size, Hq / Hkv = query / KV heads, D = head dim.
 """
 

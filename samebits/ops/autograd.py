@@ -7,8 +7,12 @@ output is bitwise what the engine computes) and, in the backward, recomputes a s
 formula of the same math with autograd and returns its gradients (attention), or applies the
 formula's derivative directly: ``linear`` (``g @ w``, ``g^T @ x``), softmax / log_softmax (aten's
 backward of the saved output), RMSNorm (the reference's exact gradient in closed form, fp32;
-one Triton pass on CUDA). On CUDA in bf16/fp16, attention's VJP for prefills from position 0 is
-stock flash attention's (``attention_sdpa``), its backward run in deterministic mode.
+one Triton pass on CUDA), ``silu_mul`` (the VJP of ``F.silu(g) * u``). Ops that fuse several
+steps run their differentiable composition when a gradient is needed -- ``rms_norm`` with a
+residual (the stock add, then the norm), ``qkv_rope_store`` (this norm, stock RoPE,
+``index_copy_`` into the caches) -- and the inner fused op otherwise: the same bits either way.
+On CUDA in bf16/fp16, attention's VJP for prefills from position 0 is stock flash attention's
+(``attention_sdpa``), its backward run in deterministic mode.
 The backward is therefore not batch-invariant, but it is deterministic (fixed shapes, no
 atomics: the same step gives the same gradient bits), and it is the gradient of a stock
 formula of the same math, which agrees with the invariant forward to float rounding.

@@ -221,6 +221,46 @@ def test_prologue_rows_do_not_depend_on_the_batch() -> None:
             assert torch.equal(flat[slots[lo:hi]], flat_whole[slots[lo:hi]])
 
 
+def _numpy_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """torch's SiLU-then-multiply with the interpreter's exp (numpy's) in place of torch's."""
+    import numpy as np
+    x = gate.float()
+    silu = torch.div(x, 1 + torch.from_numpy(np.exp(-x.numpy()))).to(gate.dtype)
+    return (silu.float() * up.float()).to(gate.dtype)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_decoder_on_the_triton_backend_equals_the_unfused_forward(arch: str) -> None:
+    """The whole decoder over the Triton backend (fp16): fused norm + residual, prologue and
+    SiLU kernels against the forward before fusion, hidden states and caches."""
+    from samebits.config import ModelConfig
+    from samebits.loader import build_model
+    from samebits.loader.dummy import init_dummy_weights
+    from samebits.ops.triton.backend import TritonBackend
+    from tests.unfused import unfused_forward
+    cfg = ModelConfig.from_dict({
+        "architectures": [arch], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 128})
+    model = build_model(cfg, TritonBackend(), 128, "cpu", torch.float16)
+    init_dummy_weights(model, seed=2, std=0.1)
+    lens = [1, 7, 20]
+    cache = Paged(lens, 2, 16, torch.float16, seed=1)
+    meta = cache.meta([0, 1, 2], lens, lens)
+    slots = [meta.block_tables[b, torch.arange(n) // cache.bs].long() * cache.bs
+             + torch.arange(n) % cache.bs for b, n in enumerate(lens)]
+    meta = dataclasses.replace(meta, slot_mapping=torch.cat(slots))
+    ids = torch.randint(0, 128, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    fused = [(torch.zeros_like(cache.k), torch.zeros_like(cache.v)) for _ in range(2)]
+    old = [(torch.zeros_like(cache.k), torch.zeros_like(cache.v)) for _ in range(2)]
+    meta = model.ops.plan_attention(meta)
+    hidden = model(ids, pos, fused, meta)
+    assert torch.equal(hidden, unfused_forward(model, ids, pos, old, meta, _numpy_silu_mul))
+    for (k, v), (k_old, v_old) in zip(fused, old, strict=True):
+        assert torch.equal(k, k_old) and torch.equal(v, v_old)
+
+
 @pytest.mark.parametrize("n", [100, 9000, 40000])
 def test_softmax_rows(n: int) -> None:
     torch.manual_seed(3)
