@@ -132,15 +132,17 @@ def _qkv_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_c
 def supports(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
              k_norm: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
              hq: int, hkv: int, d: int) -> bool:
-    """Whether the kernel takes these operands (else the backend runs the composition)."""
+    """Whether the kernel takes these operands (else the backend runs the composition);
+    ``slot_mapping`` is any integer tensor of one slot per token, as for ``store_kv``."""
     dt = qkv.dtype
     tensors = [cos, sin, k_cache, v_cache] + [w for w in (q_norm, k_norm) if w is not None]
     return (dt in (torch.float32, torch.bfloat16, torch.float16) and d % 2 == 0
             and (q_norm is None) == (k_norm is None) and qkv.dim() == 2
             and qkv.shape[1] == (hq + 2 * hkv) * d and qkv.stride(1) == 1
-            and all(t.dtype == dt for t in tensors) and cos.stride(-1) == sin.stride(-1) == 1
-            and cos.stride(0) == sin.stride(0) and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and k_cache.shape[-2:] == (hkv, d)
+            and all(t.dtype == dt for t in tensors) and cos.shape == sin.shape == (qkv.shape[0], d)
+            and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[-2:] == (hkv, d) and v_cache.shape == k_cache.shape
             and all(w.is_contiguous() for w in (q_norm, k_norm) if w is not None))
 
 
