@@ -26,11 +26,14 @@ from triton.testing import do_bench
 
 from samebits.config import EngineConfig
 from samebits.ops.backend import AttentionMetadata
+from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.standard import StandardBackend
 from samebits.ops.standard_cuda import StandardCudaBackend
+from samebits.ops.triton import activation as ACT
 from samebits.ops.triton import attention as A
 from samebits.ops.triton import linear as L
 from samebits.ops.triton import rms_norm as RN
+from samebits.ops.triton import rope as ROPE
 from samebits.ops.triton import softmax as SM
 
 LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
@@ -167,6 +170,35 @@ def bench_norms() -> None:
                  us(torch.log_softmax, x, -1))
             emit("softmax", {"M": m, "V": v}, "fp32", us(SM.softmax, x),
                  us(torch.softmax, x, -1))
+
+
+def _silu_then_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _composed_prologue(*args) -> torch.Tensor:
+    return composed_prologue(RN.rms_norm, *args)
+
+
+def bench_fused() -> None:
+    """The decoder's fused elementwise kernels against the compositions they replace (Qwen3-8B
+    shapes, bf16): silu_mul on gate_up's halves; the attention prologue (q/k norm + RoPE + KV
+    store), ``stock_us`` being the composition over the invariant rms_norm."""
+    hq, hkv, d, inter, blocks = 32, 8, 128, 12288, 512
+    for m in (1, 32, 256, 2048):
+        gate, up = torch.randn(m, 2 * inter, device="cuda").bfloat16().chunk(2, dim=-1)
+        emit("silu_mul", {"M": m, "I": inter}, "bf16", us(ACT.silu_mul, gate, up),
+             us(_silu_then_mul, gate, up), kernels=len(kernel_us(ACT.silu_mul, gate, up)))
+        qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda").bfloat16()
+        cos, sin = torch.rand(2, m, d, device="cuda").bfloat16()
+        qn, kn = torch.rand(d, device="cuda").bfloat16(), torch.rand(d, device="cuda").bfloat16()
+        kc = torch.zeros(blocks, 16, hkv, d, device="cuda").bfloat16()
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(blocks * 16, device="cuda")[:m]
+        args = (qkv, cos, sin, qn, kn, 1e-6, kc, vc, slots, hq, hkv, d)
+        emit("qkv_rope_store", {"M": m, "Hq": hq, "Hkv": hkv, "D": d}, "bf16",
+             us(ROPE.qkv_rope_store, *args), us(_composed_prologue, *args),
+             stock_kernels=len(kernel_us(_composed_prologue, *args)))
 
 
 def _paged(kc_contig: torch.Tensor, bs: int, perm: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -312,7 +344,7 @@ def summary() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="linear,norms,decode,prefill")
+    ap.add_argument("--ops", default="linear,norms,fused,decode,prefill")
     ap.add_argument("--sweep", default="", help="linear | attention | split")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -321,6 +353,8 @@ def main() -> None:
         bench_linear(args.sweep == "linear")
     if "norms" in ops:
         bench_norms()
+    if "fused" in ops:
+        bench_fused()
     sweep_att = args.sweep == "attention"
     if args.sweep == "split":  # the split size is part of the arithmetic: a default to choose
         splits = [{"split_size": s, "merge_scan": m} for s in (128, 256) for m in (False, True)]

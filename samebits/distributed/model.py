@@ -1,13 +1,14 @@
 """The decoder sharded over a ``TPGroup``: this rank's segments of every weight (contiguous
 copies, so each product has the same memory layout on any N) and the forward that combines them.
 
-Per layer: RMSNorm (replicated) -> per owned KV group: qkv product, q/k norm, RoPE, KV store,
-attention, the group's o_proj partial -> ordered sum -> residual; then per owned MLP segment: the
-gate/up product, SiLU, the down_proj partial -> ordered sum -> residual. The same ops, casts and
-order as ``samebits.models.llama``, whose o_proj and down_proj compute the same partials over the
-same K segments (``segments.k_bounds``) and add them in the same order on one device. Embedding
-and LM head are vocab-parallel: a rank looks up / scores only its vocab rows; rows are gathered,
-never summed.
+Per layer: RMSNorm (replicated) -> per owned KV group: qkv product, q/k norm + RoPE + KV store
+(``qkv_rope_store``), attention, the group's o_proj partial -> ordered sum -> residual add fused
+into the next RMSNorm; then per owned MLP segment: the gate/up product, SiLU, the down_proj partial
+-> ordered sum -> residual add fused into the next RMSNorm (the next layer's, or the final one).
+The same ops, casts and order as ``samebits.models.llama``, whose o_proj and down_proj compute the
+same partials over the same K segments (``segments.k_bounds``) and add them in the same order on
+one device. Embedding and LM head are vocab-parallel: a rank looks up / scores only its vocab
+rows; rows are gathered, never summed.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from samebits.config import ModelConfig
 from samebits.distributed.group import TPGroup
 from samebits.distributed.segments import Segments
-from samebits.models.llama import LlamaForCausalLM, apply_rope
-from samebits.ops.backend import AttentionMetadata, store_kv
+from samebits.models.llama import LlamaForCausalLM
+from samebits.ops.backend import AttentionMetadata
 
 GroupCache = list[tuple[torch.Tensor, torch.Tensor]]  # per owned KV group: (k, v) [B, bs, 1, D]
 
@@ -118,12 +119,20 @@ class TPModel:
                 caches: list[GroupCache], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embedding(input_ids)
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        residual = None  # the stream h is added to by the next norm (llama.DecoderLayer)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = self.ops.rms_norm(h, layer.input_norm, self.eps)
-            h = h + self._attention(layer, x, cos, sin, cache, meta)
-            x = self.ops.rms_norm(h, layer.post_norm, self.eps)
-            h = h + self._mlp(layer, x)
-        return self.ops.rms_norm(h, self.norm, self.eps)
+            x, residual = self._norm(h, layer.input_norm, residual)
+            a = self._attention(layer, x, cos, sin, cache, meta)
+            x, residual = self._norm(a, layer.post_norm, residual)
+            h = self._mlp(layer, x)
+        return self._norm(h, self.norm, residual)[0]
+
+    def _norm(self, h: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(h + residual), h + residual); the first norm has no residual yet."""
+        if residual is None:
+            return self.ops.rms_norm(h, w, self.eps), h
+        return self.ops.rms_norm(h, w, self.eps, residual)
 
     __call__ = forward
 
@@ -132,14 +141,9 @@ class TPModel:
         t, g, d, ops = x.shape[0], self.g, self.d, self.ops
         partials = []
         for (w, b), w_o, (kc, vc) in zip(layer.qkv, layer.o, cache, strict=True):
-            q, k, v = ops.linear(x, w, b).split([g * d, d, d], dim=-1)
-            q, k, v = q.view(t, g, d), k.view(t, 1, d), v.view(t, 1, d)
-            if layer.q_norm is not None:
-                q, k = ops.rms_norm(q, layer.q_norm, self.eps), ops.rms_norm(k, layer.k_norm,
-                                                                             self.eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            store_kv(k.contiguous(), v.contiguous(), kc, vc, meta.slot_mapping)
-            o = ops.attention(q.contiguous(), kc, vc, meta, d ** -0.5)
+            q = ops.qkv_rope_store(ops.linear(x, w, b), cos, sin, layer.q_norm, layer.k_norm,
+                                   self.eps, kc, vc, meta.slot_mapping, g, 1, d)
+            o = ops.attention(q, kc, vc, meta, d ** -0.5)
             partials.append(_partial(ops, o.reshape(t, g * d), w_o))
         return self.group.ordered_sum(partials).to(x.dtype)
 

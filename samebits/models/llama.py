@@ -3,9 +3,13 @@
 
 Every reduction goes through the ``OpBackend`` the model was built with; everything else here is
 elementwise and does the same casts in the same order on every path, so the invariance of the
-backend carries over to the logits. The row-parallel linears (o_proj, down_proj) pass the model's
-K segments (``samebits.distributed.segments.k_bounds``: S = the KV heads) to the backend, so one
-device computes the tensor-parallel arithmetic and gives the bits of every TP size.
+backend carries over to the logits. The residual stream is carried as in nano-vLLM: a layer
+returns (its MLP output, the stream before it) and the next RMSNorm adds the two
+(``rms_norm(x, w, eps, residual)``), the bits of separate adds; q/k norm, RoPE and the KV-cache
+write are one op (``qkv_rope_store``), which a backend may fuse. The row-parallel linears (o_proj,
+down_proj) pass the model's K segments (``samebits.distributed.segments.k_bounds``: S = the KV
+heads) to the backend, so one device computes the tensor-parallel arithmetic and gives the bits
+of every TP size.
 Shapes: T = tokens in the flat batch, H = hidden size, Hq / Hkv = query / KV heads, D = head dim.
 """
 
@@ -21,7 +25,7 @@ from torch import nn
 from samebits.config import ModelConfig, ModelFormatError
 from samebits.distributed.segments import k_bounds
 from samebits.models.weights import fused_param, packed_hf_names
-from samebits.ops.backend import AttentionMetadata, OpBackend, store_kv
+from samebits.ops.backend import AttentionMetadata, OpBackend
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -54,13 +58,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D] already in x's dtype (HF's rotate_half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -79,14 +76,10 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         t = h.shape[0]
         qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm, self.eps)
-            k = ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
+        # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
+        q = ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
+                               kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
+        o = ops.attention(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
         bounds = self.o_bounds if ops.row_parallel_segments else None
         return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj, k_bounds=bounds)  # [T, H]
 
@@ -117,13 +110,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> torch.Tensor:
-        a = self.self_attn(ops, ops.rms_norm(h, self.input_layernorm, self.eps), cos, sin,
-                           kv_cache, meta)
-        h = h + a
-        return h + self.mlp(ops, ops.rms_norm(h, self.post_attention_layernorm, self.eps))
+    def forward(self, ops: OpBackend, h: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output (the embeddings, with ``residual`` None, for the
+        first layer); residual: the stream h is to be added to. Returns (this layer's MLP
+        output, the stream before it). Each add is fused into the norm that follows it: the bits
+        of ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
+        if residual is None:
+            x, residual = ops.rms_norm(h, self.input_layernorm, self.eps), h
+        else:
+            x, residual = ops.rms_norm(h, self.input_layernorm, self.eps, residual)
+        a = self.self_attn(ops, x, cos, sin, kv_cache, meta)
+        x, residual = ops.rms_norm(a, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(ops, x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,9 +146,12 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(self.ops, h, cos, sin, kv_cache, meta)
-        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            h, residual = layer(self.ops, h, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""

@@ -22,8 +22,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return _invariant(x).linear(x, w, b, k_bounds=k_bounds)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return _invariant(x).rms_norm(x, w, eps)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """With ``residual``: ``(rms_norm(x + residual), x + residual)``, the sum rounded first."""
+    return _invariant(x).rms_norm(x, w, eps, residual)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,12 @@ output is bitwise what the engine computes) and, in the backward, recomputes a s
 formula of the same math with autograd and returns its gradients (attention), or applies the
 formula's derivative directly: ``linear`` (``g @ w``, ``g^T @ x``), softmax / log_softmax (aten's
 backward of the saved output), RMSNorm (the reference's exact gradient in closed form, fp32;
-one Triton pass on CUDA). On CUDA in bf16/fp16, attention's VJP for prefills from position 0 is
-stock flash attention's (``attention_sdpa``), its backward run in deterministic mode.
+one Triton pass on CUDA), ``silu_mul`` (the VJP of ``F.silu(g) * u``). Ops that fuse several
+steps run their differentiable composition when a gradient is needed -- ``rms_norm`` with a
+residual (the stock add, then the norm), ``qkv_rope_store`` (this norm, stock RoPE,
+``index_copy_`` into the caches) -- and the inner fused op otherwise: the same bits either way.
+On CUDA in bf16/fp16, attention's VJP for prefills from position 0 is stock flash attention's
+(``attention_sdpa``), its backward run in deterministic mode.
 The backward is therefore not batch-invariant, but it is deterministic (fixed shapes, no
 atomics: the same step gives the same gradient bits), and it is the gradient of a stock
 formula of the same math, which agrees with the invariant forward to float rounding.
@@ -24,10 +28,11 @@ from functools import partial
 
 import torch
 
-from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend
+from samebits.ops import rope
+from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend, norm_with_residual
 
 __all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "attention_sdpa",
-           "attention_vjp", "rms_norm_reference"]
+           "attention_vjp", "rms_norm_reference", "silu_mul_reference"]
 
 # The backward's fast paths on CUDA (module switches, so a test can compare with the formulas):
 # attention's VJP through stock SDPA's flash kernel in its deterministic mode, and a one-pass
@@ -96,6 +101,10 @@ def invariant_apply(fwd: Callable, ref: Callable, *xs: torch.Tensor | None) -> t
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
 
 
 ATTENTION_CHUNK_ELEMENTS = 1 << 27  # score elements per padded group of the attention backward
@@ -340,13 +349,32 @@ class DifferentiableOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:
-        """Stock elementwise ops: autograd runs through the inner backend's own calls."""
-        return self.inner.silu_mul(gate, up, k_bounds)
+        """The inner backend's bits (one kernel on CUDA); the gradients of ``F.silu(g) * u``."""
+        return invariant_apply(partial(self.inner.silu_mul, k_bounds=k_bounds), silu_mul_reference,
+                               gate, up)
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if _needs_grad(x, w):
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``residual`` and gradients: the stock add, then this norm (the one-pass kernel's
+        bits)."""
+        if residual is not None and _needs_grad(x, w, residual):
+            return norm_with_residual(self.rms_norm, x, w, eps, residual)
+        if residual is None and _needs_grad(x, w):
             return _RMSNorm.apply(self.inner.rms_norm, x, w, eps)
-        return self.inner.rms_norm(x, w, eps)
+        return self.inner.rms_norm(x, w, eps, residual)
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int) -> torch.Tensor:
+        """With gradients: the composition (``samebits.ops.rope``) over this ``rms_norm``, stock
+        RoPE and ``index_copy_`` into the caches, all differentiable; else the inner backend's op
+        (fused on CUDA). Both give the inner backend's bits."""
+        args = (qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, hq, hkv, d)
+        if _needs_grad(qkv, q_norm, k_norm):
+            return rope.qkv_rope_store(self.rms_norm, *args)
+        return self.inner.qkv_rope_store(*args)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         if _needs_grad(x):

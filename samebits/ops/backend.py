@@ -94,8 +94,24 @@ class OpBackend(Protocol):
         one call per segment."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dim, computed in fp32, then cast back and scaled by w (HF order)."""
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over the last dim, computed in fp32, then cast back and scaled by w (HF order).
+
+        With ``residual`` (the decoder's residual stream): ``(rms_norm(x + residual), x +
+        residual)``, the sum rounded to x's dtype first -- the bits of a separate add, then the
+        norm (``norm_with_residual``); a backend may do both in one pass."""
+        ...
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int) -> torch.Tensor:
+        """The attention prologue: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] contiguous, with q and k
+        RMSNormed per head (when ``q_norm``/``k_norm`` are given) and rotated (cos/sin [T, D] in
+        qkv's dtype), k and v written to their ``slot_mapping`` slots of the caches. Bits: those of
+        ``samebits.ops.rope.qkv_rope_store`` over this backend's ``rms_norm``."""
         ...
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -138,6 +154,18 @@ def ordered_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     for p in partials[1:]:
         acc += p
     return acc
+
+
+def norm_with_residual(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+                       x: torch.Tensor, w: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x, w, eps)``; with a residual, the separate add then the norm:
+    ``(rms_norm(x + residual), x + residual)``."""
+    if residual is None:
+        return rms_norm(x, w, eps)
+    summed = x + residual
+    return rms_norm(summed, w, eps), summed
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

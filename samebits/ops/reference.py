@@ -25,8 +25,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from samebits.ops import cpu_kernels
-from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, register
+from samebits.ops import cpu_kernels, rope
+from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, norm_with_residual, register
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
@@ -95,12 +95,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = No
     return torch.cat([F.silu(gate[..., lo:hi]) * up[..., lo:hi] for lo, hi in k_bounds], dim=-1)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     def tile(t: torch.Tensor) -> torch.Tensor:
         h = t.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(t.dtype)
     return by_tiles(tile, x)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Tile by tile; with ``residual``: the add, then the norm of the sum (and the sum)."""
+    return norm_with_residual(_rms_norm, x, w, eps, residual)
+
+
+def qkv_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   hq: int, hkv: int, d: int) -> torch.Tensor:
+    """The composition (``samebits.ops.rope``) over the tiled RMSNorm."""
+    return rope.qkv_rope_store(_rms_norm, qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache,
+                               slot_mapping, hq, hkv, d)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +176,7 @@ class ReferenceBackend:
     linear_partials = staticmethod(linear_partials)
     silu_mul = staticmethod(silu_mul)
     rms_norm = staticmethod(rms_norm)
+    qkv_rope_store = staticmethod(qkv_rope_store)
     softmax = staticmethod(softmax)
     log_softmax = staticmethod(log_softmax)
     attention = staticmethod(attention)

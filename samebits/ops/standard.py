@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from samebits.ops.backend import AttentionMetadata, KBounds, register
+from samebits.ops import rope
+from samebits.ops.backend import AttentionMetadata, KBounds, norm_with_residual, register
 
 
 @register("cpu", False)
@@ -35,10 +36,24 @@ class StandardBackend:
                  ) -> torch.Tensor:
         return F.silu(gate) * up
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """HF's formula; with ``residual``, a separate add first."""
+        return norm_with_residual(self._rms_norm, x, w, eps, residual)
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int) -> torch.Tensor:
+        """The stock composition (``samebits.ops.rope``)."""
+        return rope.qkv_rope_store(self._rms_norm, qkv, cos, sin, q_norm, k_norm, eps, k_cache,
+                                   v_cache, slot_mapping, hq, hkv, d)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)

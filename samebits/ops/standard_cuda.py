@@ -56,7 +56,7 @@ class StandardCudaBackend(StandardBackend):
     name = "standard-cuda"
     batch_invariant = False
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """torch's fused RMSNorm (one kernel; fp32 inside, one rounding at the end)."""
         return F.rms_norm(x, w.shape, w, eps)
 

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import os
 import sys
+from functools import partial
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at the modules' import
 
@@ -25,15 +26,19 @@ pytest.importorskip("triton")
 from samebits.ops import reference  # noqa: E402
 from samebits.ops.backend import AttentionMetadata  # noqa: E402
 
-_MODULES = ["attention_kernels", "attention", "gumbel", "linear", "rms_norm", "softmax"]
+_MODULES = ["activation", "attention_kernels", "attention", "gumbel", "linear", "rms_norm", "rope",
+            "softmax"]
 for _name in _MODULES:  # re-import under the interpreter if something imported them compiled
     _full = f"samebits.ops.triton.{_name}"
     if _full in sys.modules:
         importlib.reload(sys.modules[_full])
+from samebits.ops import rope as composed  # noqa: E402
+from samebits.ops.triton import activation as ACT  # noqa: E402
 from samebits.ops.triton import attention as A  # noqa: E402
 from samebits.ops.triton import gumbel as G  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 from samebits.ops.triton import rms_norm as RN  # noqa: E402
+from samebits.ops.triton import rope as ROPE  # noqa: E402
 from samebits.ops.triton import softmax as SM  # noqa: E402
 
 CFG = L.GemmConfig(16, 16, 64, 4, 2)
@@ -141,6 +146,119 @@ def test_rms_norm_rows(h: int) -> None:
     normed, summed = RN.add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(summed, x + r) and torch.equal(normed, RN.rms_norm(x + r, w, 1e-6))
     assert torch.equal(RN.add_rms_norm(x[3:5], r[3:5], w, 1e-6)[0], normed[3:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_silu_mul_reads_the_gate_up_halves_and_rounds_as_torch(dtype: torch.dtype) -> None:
+    """The kernel's operations (the interpreter's exp is numpy's: the expected values use it too;
+    on the GPU the kernel's libdevice expf is checked against torch in tests/gpu)."""
+    import numpy as np
+    torch.manual_seed(4)
+    t, inter = 19, 1100  # two column blocks, the second partial
+    gate_up = (torch.randn(t, 2 * inter) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # strided views, as the MLP passes them
+    out = ACT.silu_mul(gate, up)
+    x = gate.float()
+    e = torch.from_numpy(np.exp(-x.numpy()))
+    silu = torch.div(x, 1 + e).to(dtype)
+    assert out.is_contiguous() and torch.equal(out, (silu.float() * up.float()).to(dtype))
+    for lo, hi in ((0, 1), (5, 12), (18, 19)):  # rows do not depend on the batch
+        assert torch.equal(ACT.silu_mul(gate[lo:hi], up[lo:hi]), out[lo:hi])
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=2e-3, atol=2e-3)
+    assert ACT.silu_mul(gate[:0], up[:0]).shape == (0, inter)
+
+
+def _prologue_case(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    freqs = torch.randint(0, 500, (t, 1), generator=g).float() * torch.rand(d // 2, generator=g)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qn = (torch.rand(d, generator=g) + 0.5).to(dtype) if norm else None
+    kn = (torch.rand(d, generator=g) + 0.5).to(dtype) if norm else None
+    blocks, bs = 9, 4
+    slots = torch.randperm(blocks * bs, generator=g)[:t]  # scattered over the blocks
+    caches = (torch.randn(blocks, bs, hkv, d, generator=g).to(dtype),
+              torch.randn(blocks, bs, hkv, d, generator=g).to(dtype))
+    return qkv, cos, sin, qn, kn, caches, slots
+
+
+def _run_prologue(fn, case, hq: int, hkv: int, d: int):
+    qkv, cos, sin, qn, kn, (kc, vc), slots = case
+    kc, vc = kc.clone(), vc.clone()
+    q = fn(qkv, cos, sin, qn, kn, 1e-6, kc, vc, slots, hq, hkv, d)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (6, 3, 32), (2, 2, 24)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_prologue_kernel_is_the_composition(dtype: torch.dtype, hq: int, hkv: int, d: int,
+                                            norm: bool) -> None:
+    """q/k norm (the rms_norm kernel's helpers), RoPE rounded as torch rounds it, the cache
+    write: bitwise the composition over the rms_norm kernel, for GQA, a non-power-of-two head
+    dim, token counts that are not multiples of the row tile, slots in scattered blocks."""
+    for t in (1, 7, 19):
+        case = _prologue_case(t, hq, hkv, d, dtype, norm, seed=t)
+        assert ROPE.supports(*case[:5], *case[5], hq, hkv, d)
+        got = _run_prologue(ROPE.qkv_rope_store, case, hq, hkv, d)
+        want = _run_prologue(partial(composed.qkv_rope_store, RN.rms_norm), case, hq, hkv, d)
+        assert got[0].shape == (t, hq, d) and got[0].is_contiguous()
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (t, hq, hkv, d)
+
+
+def test_prologue_rows_do_not_depend_on_the_batch() -> None:
+    hq, hkv, d = 4, 2, 32
+    qkv, cos, sin, qn, kn, (kc, vc), slots = _prologue_case(19, hq, hkv, d, torch.float16, True, 7)
+    full = _run_prologue(ROPE.qkv_rope_store, (qkv, cos, sin, qn, kn, (kc, vc), slots), hq, hkv, d)
+    for lo, hi in ((0, 1), (3, 10), (17, 19)):
+        part = _run_prologue(ROPE.qkv_rope_store, (qkv[lo:hi], cos[lo:hi], sin[lo:hi], qn, kn,
+                                                   (kc, vc), slots[lo:hi]), hq, hkv, d)
+        assert torch.equal(part[0], full[0][lo:hi])
+        for cache, whole in zip(part[1:], full[1:], strict=True):
+            flat, flat_whole = cache.view(-1, hkv, d), whole.view(-1, hkv, d)
+            assert torch.equal(flat[slots[lo:hi]], flat_whole[slots[lo:hi]])
+
+
+def _numpy_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """torch's SiLU-then-multiply with the interpreter's exp (numpy's) in place of torch's."""
+    import numpy as np
+    x = gate.float()
+    silu = torch.div(x, 1 + torch.from_numpy(np.exp(-x.numpy()))).to(gate.dtype)
+    return (silu.float() * up.float()).to(gate.dtype)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_decoder_on_the_triton_backend_equals_the_unfused_forward(arch: str) -> None:
+    """The whole decoder over the Triton backend (fp16): fused norm + residual, prologue and
+    SiLU kernels against the forward before fusion, hidden states and caches."""
+    from samebits.config import ModelConfig
+    from samebits.loader import build_model
+    from samebits.loader.dummy import init_dummy_weights
+    from samebits.ops.triton.backend import TritonBackend
+    from tests.unfused import unfused_forward
+    cfg = ModelConfig.from_dict({
+        "architectures": [arch], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 128})
+    model = build_model(cfg, TritonBackend(), 128, "cpu", torch.float16)
+    init_dummy_weights(model, seed=2, std=0.1)
+    lens = [1, 7, 20]
+    cache = Paged(lens, 2, 16, torch.float16, seed=1)
+    meta = cache.meta([0, 1, 2], lens, lens)
+    slots = [meta.block_tables[b, torch.arange(n) // cache.bs].long() * cache.bs
+             + torch.arange(n) % cache.bs for b, n in enumerate(lens)]
+    meta = dataclasses.replace(meta, slot_mapping=torch.cat(slots))
+    ids = torch.randint(0, 128, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    fused = [(torch.zeros_like(cache.k), torch.zeros_like(cache.v)) for _ in range(2)]
+    old = [(torch.zeros_like(cache.k), torch.zeros_like(cache.v)) for _ in range(2)]
+    meta = model.ops.plan_attention(meta)
+    hidden = model(ids, pos, fused, meta)
+    assert torch.equal(hidden, unfused_forward(model, ids, pos, old, meta, _numpy_silu_mul))
+    for (k, v), (k_old, v_old) in zip(fused, old, strict=True):
+        assert torch.equal(k, k_old) and torch.equal(v, v_old)
 
 
 @pytest.mark.parametrize("n", [100, 9000, 40000])

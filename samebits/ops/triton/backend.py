@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops.backend import AttentionMetadata, KBounds, register
-from samebits.ops.triton import attention, linear, rms_norm, softmax
+from samebits.ops.rope import qkv_rope_store as composed_prologue
+from samebits.ops.triton import activation, attention, linear, rms_norm, rope, softmax
 
 # The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
 # splits and key blocks); launch tuning that cannot change the bits lives in them too, so the
 # digest errs on the side of a new fingerprint.
-_ARITHMETIC_SOURCES = ("attention.py", "attention_kernels.py", "attention_gluon.py", "linear.py",
-                       "linear_kernels.py", "rms_norm.py", "softmax.py")
+_ARITHMETIC_SOURCES = ("activation.py", "attention.py", "attention_kernels.py", "attention_gluon.py",
+                       "linear.py", "linear_kernels.py", "rms_norm.py", "rope.py", "softmax.py")
 
 
 def _arithmetic_digest() -> str:
@@ -53,16 +54,32 @@ class TritonBackend:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:
-        """One elementwise pass: a CUDA element's bits do not depend on the tensor's shape."""
+        """One kernel with the bits of ``F.silu(gate) * up`` (activation.py); gate and up may be
+        the halves of gate_up's rows. A CUDA element's bits do not depend on the tensor's shape,
+        so ``k_bounds`` changes nothing."""
+        if activation.supports(gate, up):
+            return activation.silu_mul(gate, up)
         return F.silu(gate) * up
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm.rms_norm(x, w, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual) in one pass."""
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``residual``: (rms_norm(x + residual), x + residual) in one pass, the bits of the
+        add then the norm."""
+        if residual is None:
+            return rms_norm.rms_norm(x, w, eps)
         return rms_norm.add_rms_norm(x, residual, w, eps)
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int) -> torch.Tensor:
+        """One kernel (rope.py) with the composition's bits; the composition where it does not
+        apply (mixed dtypes, strided operands)."""
+        args = (qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, hq, hkv, d)
+        if rope.supports(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, hq, hkv, d):
+            return rope.qkv_rope_store(*args)
+        return composed_prologue(rms_norm.rms_norm, *args)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return softmax.softmax(x)

@@ -20,6 +20,30 @@ import triton.language as tl
 from samebits.ops.triton.launcher import Launcher, aligned
 
 MAX_BLOCK = 65536
+# fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
+# add): part of the arithmetic, pinned here for every kernel that reuses these helpers
+FP_FUSION = True
+
+
+@triton.jit
+def inv_rms(x, H, eps):
+    """``rsqrt(mean(x^2) + eps)`` of each row of the ``[ROWS, BLOCK]`` tile ``x`` (masked columns
+    zero), in fp32: one ``tl.sum`` whose tree is fixed by the tile shape and warp count."""
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=1) / H
+    return tl.rsqrt(var + eps)
+
+
+@triton.jit
+def normalize(x, inv):
+    """``(x.float() * inv).to(x.dtype)`` row by row (HF's order: normalize, round, then weigh)."""
+    return (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+
+
+@triton.jit
+def weigh(y, w):
+    """``w * y`` in fp32 (the caller rounds to ``promote(w.dtype, y.dtype)``)."""
+    return w.to(tl.float32)[None, :] * y.to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
@@ -40,11 +64,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stri
         r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=1) / H
-    y = (h * tl.rsqrt(var + eps)[:, None]).to(x.dtype)
+    y = normalize(x, inv_rms(x, H, eps))
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
-    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
+    out = weigh(y, w)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -76,7 +98,7 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
                out.stride(0), s.stride(0), eps, r is not None, aligned(x2, r2, w, out, s))
         _RMS_NORM(key, (triton.cdiv(m, rows),), x2, r2, w, out, s, m, h, x2.stride(0),
                   r2.stride(0), out.stride(0), s.stride(0), eps, r is not None, rows, block,
-                  num_warps=warps)
+                  num_warps=warps, enable_fp_fusion=FP_FUSION)
     lead = x.shape[:-1]
     return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
 
