@@ -123,12 +123,13 @@ def sample_sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
 
 
 def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                   indices: list[int], steps: int | None = None, chunk: int | None = None,
-                   block: int | None = None) -> list[int]:
+                   indices: list[int], steps: int | None = None, max_steps: int | None = None,
+                   chunk: int | None = None, block: int | None = None) -> list[int]:
     """``sample_sorted``'s tokens through the rejection chain (ops/triton/rejection_chain.py): the
-    row parameters reach the device in one copy, a fixed number of launches, one host sync; rows
-    whose chain ends undecided (rare) are drawn by ``sample_sorted``. ``steps``, ``chunk`` and
-    ``block`` change the cost, never a token."""
+    row parameters reach the device in one copy, a fixed number of launches, one host sync (more
+    only while a row is undecided); rows the chain leaves undecided after ``max_steps`` steps, or
+    not finite, are drawn by ``sample_sorted``. ``steps``, ``max_steps``, ``chunk`` and ``block``
+    change the cost, never a token."""
     from samebits.ops.triton import rejection_chain as chain
     v = logits.shape[-1]
     table, kmax = [], 0
@@ -138,8 +139,9 @@ def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: li
         keys = (0, 0) if p.greedy else stream_key(seed, index)
         table += [1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p, *keys, 0]
     table = torch.tensor(table, dtype=torch.float64).view(-1, chain.COLS).to(logits.device)
-    tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps, chunk,
-                        block or chain.BLOCK).tolist()
+    tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
+                        chain.MAX_STEPS if max_steps is None else max_steps, chunk,
+                        block or chain.BLOCK)
     rest = [i for i, t in enumerate(tokens) if t < 0]
     if rest:
         drawn = sample_sorted(logits[rest], [params[i] for i in rest], [seeds[i] for i in rest],

@@ -79,12 +79,12 @@ def _table(params: list[SP], seeds: list[int], index: int) -> tuple[torch.Tensor
 def _emulated(logits: torch.Tensor, params: list[SP], seeds: list[int], index: int,
               steps: int) -> list[int]:
     """The chain in plain torch from the definition's own quantities: token per row, -1 where
-    ``steps`` candidates were all rejected or the row is not finite."""
+    ``steps`` candidates were all rejected, -2 where the row is not finite."""
     out = []
     for r, p in enumerate(params):
         row = logits[r:r + 1]
         if not bool(torch.isfinite(row.amax())) or bool(row.isnan().any()):
-            out.append(-1)
+            out.append(-2)
             continue
         if p.greedy:
             out.append(int(row.argmax()))
@@ -123,12 +123,12 @@ def test_chain_draws_the_sorted_definitions_token(kind: str) -> None:
     seeds = [31 * r + len(kind) for r in range(len(PARAMS))]
     want = sampler.sample_sorted(logits, PARAMS, seeds, [4] * len(PARAMS))
     table, kmax = _table(PARAMS, seeds, 4)
-    got = chain.draw(logits, table, kmax, **SMALL).tolist()
-    assert got == _emulated(logits, PARAMS, seeds, 4, chain.STEPS)
+    got = chain.draw(logits, table, kmax, **SMALL)
+    assert got == _emulated(logits, PARAMS, seeds, 4, chain.MAX_STEPS)
     assert all(g in (w, -1) for g, w in zip(got, want, strict=True))  # -1: drawn by the sort
 
 
-def test_chain_walks_past_rejected_candidates_and_falls_back_when_out_of_steps() -> None:
+def test_chain_walks_past_rejected_candidates_resumes_and_falls_back_when_out_of_steps() -> None:
     # flat rows with tight filters: the unfiltered argmax is rarely kept
     logits = _rows("uniform", 12, seed=3)
     params = [SP(top_p=0.05), SP(top_p=0.3), SP(min_p=0.995), SP(top_k=3)] * 3
@@ -137,15 +137,17 @@ def test_chain_walks_past_rejected_candidates_and_falls_back_when_out_of_steps()
     table, kmax = _table(params, seeds, 0)
     undecided = []
     for steps in (0, 1, 2, 3, 5):
-        got = chain.draw(logits, table, kmax, steps, **SMALL).tolist()
+        got = chain.draw(logits, table, kmax, steps, steps, **SMALL)
         assert got == _emulated(logits, params, seeds, 0, steps), steps
         assert all(g in (w, -1) for g, w in zip(got, want, strict=True))
         undecided.append(got.count(-1))
-    for steps in (0, 1):
-        assert sampler.sample_chained(logits, params, seeds, [0] * 12, steps, **SMALL) == want
-    print(undecided)
     assert undecided[0] == 12  # no step: every filtered row falls back
-    assert undecided[1] > undecided[2] > 0 and undecided[-1] < undecided[1]
+    assert undecided[1] > undecided[2] > undecided[4] > 0
+    # later rounds resume from the saved state: the same chain whatever the round boundaries
+    assert chain.draw(logits, table, kmax, 1, 11, **SMALL) == _emulated(logits, params, seeds, 0, 11)
+    for steps, max_steps in [(0, 0), (1, 1), (1, 11)]:
+        assert sampler.sample_chained(logits, params, seeds, [0] * 12, steps, max_steps,
+                                      **SMALL) == want
 
 
 def test_chain_leaves_non_finite_rows_to_the_definition() -> None:
@@ -155,8 +157,8 @@ def test_chain_leaves_non_finite_rows_to_the_definition() -> None:
     logits[2, 5] = math.inf
     params = [SP(top_p=0.9), SP(top_k=5), SP(min_p=0.1), SP(temperature=0.0)]
     table, kmax = _table(params, [1, 2, 3, 4], 0)
-    got = chain.draw(logits, table, kmax, **SMALL).tolist()
-    assert got[:3] == [-1, -1, -1] and got[3] >= 0
+    got = chain.draw(logits, table, kmax, **SMALL)
+    assert got[:3] == [-2, -2, -2] and got[3] >= 0
     want = sampler.sample_sorted(logits, params, [1, 2, 3, 4], [0] * 4)
     assert sampler.sample_chained(logits, params, [1, 2, 3, 4], [0] * 4, **SMALL) == want
 

@@ -2,7 +2,8 @@
 
 ``draw(logits, table, kmax)`` returns, per row, the token ``samebits.engine.sampler`` defines
 (top-k, top-p and min-p on x = logits / T, then the Gumbel-max over the kept tokens, ties to the
-lowest id), or -1 where the chain ran out of steps (the caller draws those rows by the definition).
+lowest id), or a negative number where the caller must draw the row by the sort: the chain ran out
+of steps, or the row is not finite (NaN, +inf, all -inf). Greedy rows get the argmax of the logits.
 
 Why no sort is needed: each filter keeps a *prefix* of the order (x desc, id asc) -- top-k the
 ranks < k, top-p the ranks whose mass-before is below p * total (non-decreasing in rank), min-p
@@ -22,10 +23,13 @@ x - max can take), with libdevice's flush-to-zero off, as torch has it; the nois
 So the chunk size, the block size and the batch may change without changing a token. Under
 TRITON_INTERPRET (the CPU tests) exp is torch's CPU exp, the interpreter having no libdevice.
 
-Launches, none waiting on the host: pass 0 (s = x + noise kept in a [B, V] scratch, per-chunk
-max x, non-finite count, argmax of s over P), passes 1..STEPS (each re-derives the row's state
-from the earlier partials, then counts and sums before the current candidate and finds the next
-one), and one program per row that walks the partials and writes the token.
+Launches: pass 0 (s = x + noise kept in a [B, V] scratch, per-chunk max x, non-finite count,
+argmax of s over P); passes 1..STEPS (each reads the row's state saved by the previous pass,
+advances it with that pass's partials, and -- rows still undecided only -- counts and sums before
+the current candidate and finds the next one); one program per row that writes the token; one
+host sync. Rows still undecided (rare: each step is rejected with about the probability of the
+mass between the kept prefix and the candidate) get later rounds of MORE_STEPS, resumed from the
+saved state, up to MAX_STEPS; then the caller sorts.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import triton.language as tl
 
 from samebits.ops.triton.gumbel import noise
 
-STEPS = 3  # candidates tested before a row falls back to the sort
+STEPS = 3  # steps of the first round: candidates tested with no host sync in between
+MORE_STEPS = 8  # steps of each later round, run only while some row is undecided
+MAX_STEPS = 27  # then the caller draws the row by the sort
 BLOCK = 1024
 COLS = 8  # table columns: temperature, greedy, k, top_p, min_p, key words, spare
 _TEMP, _GREEDY, _K, _TOP_P, _MIN_P, _KEY1, _KEY2 = (tl.constexpr(i) for i in range(7))
@@ -238,12 +244,12 @@ def _step_kernel(logits_ptr, s_ptr, table_ptr, vals_ptr, fpart, ipart, state_ptr
 @triton.jit
 def _decide_kernel(logits_ptr, table_ptr, fpart, ipart, state_ptr, out_ptr, B, C, V, stride_l, J,
                    CP: tl.constexpr):
-    """One program per row: the first kept candidate, or -1 (fall back to the sort)."""
+    """One program per row: the first kept candidate; -1 undecided yet, -2 not finite."""
     row = tl.program_id(0)
     temp, greedy, k, top_p, min_p = _params(table_ptr, row)
     status, a, _, _, _ = _state(logits_ptr, fpart, ipart, state_ptr, row, B, C, V, stride_l, J,
                                 temp, greedy, k, top_p, min_p, CP)
-    tl.store(out_ptr + row, tl.where(status == _DONE, a, -1))
+    tl.store(out_ptr + row, tl.where(status == _DONE, a, tl.where(status == _UNDECIDED, -1, -2)))
 
 
 def chunk_for(batch: int) -> int:
@@ -252,26 +258,35 @@ def chunk_for(batch: int) -> int:
 
 
 def draw(logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEPS,
-         chunk: int | None = None, block: int = BLOCK) -> torch.Tensor:
+         max_steps: int = MAX_STEPS, chunk: int | None = None, block: int = BLOCK) -> list[int]:
     """logits [B, V] fp32 (unit stride in V), table [B, COLS] fp64 per row (temperature, 1.0 if
     greedy else 0.0, k (V if top-k is off), top_p, min_p, key words), kmax the largest k < V (0:
-    none) -> token ids [B] int64, -1 where ``steps`` candidates were all rejected."""
+    none) -> a token id per row, or a negative number where the caller must draw the row by the
+    sort: -1 after ``max_steps`` rejected candidates, -2 for a row that is not finite (NaN, +inf,
+    all -inf). A first round of ``steps`` steps, one host sync; later rounds of MORE_STEPS only
+    while a row is undecided, resuming from the saved state."""
     b, v = logits.shape
     chunk = chunk or chunk_for(b)
     c = triton.cdiv(v, chunk)
     cp = triton.next_power_of_2(c)
     vals = torch.topk(logits, kmax, dim=-1).values if kmax else logits
     s = torch.empty_like(logits)
-    fpart = torch.empty(steps + 2, b, c, dtype=torch.float32, device=logits.device)
-    ipart = torch.empty(steps + 1, b, c, 4, dtype=torch.int64, device=logits.device)
-    state = torch.empty(steps + 2, b, 2, dtype=torch.int64, device=logits.device)
+    fpart = torch.empty(max_steps + 2, b, c, dtype=torch.float32, device=logits.device)
+    ipart = torch.empty(max_steps + 1, b, c, 4, dtype=torch.int64, device=logits.device)
+    state = torch.empty(max_steps + 2, b, 2, dtype=torch.int64, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     shape = (b, c, v, logits.stride(0), vals.stride(0))
     _draw_kernel[(b, c)](logits, s, table, vals, fpart, ipart, *shape, CHUNK=chunk, BLOCK=block,
                          **_LAUNCH)
-    for j in range(1, steps + 1):
-        _step_kernel[(b, c)](logits, s, table, vals, fpart, ipart, state, *shape, j, CHUNK=chunk,
-                             BLOCK=block, CP=cp, **_LAUNCH)
-    _decide_kernel[(b,)](logits, table, fpart, ipart, state, out, b, c, v, logits.stride(0), steps + 1,
-                         CP=cp, **_LAUNCH)
-    return out
+    done, run = 0, min(steps, max_steps)
+    while True:
+        for j in range(done + 1, done + run + 1):
+            _step_kernel[(b, c)](logits, s, table, vals, fpart, ipart, state, *shape, j,
+                                 CHUNK=chunk, BLOCK=block, CP=cp, **_LAUNCH)
+        done += run
+        _decide_kernel[(b,)](logits, table, fpart, ipart, state, out, b, c, v, logits.stride(0),
+                             done + 1, CP=cp, **_LAUNCH)
+        tokens = out.tolist()
+        run = min(MORE_STEPS, max_steps - done)
+        if run == 0 or -1 not in tokens:
+            return tokens
