@@ -266,11 +266,12 @@ def draw(logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEP
     all -inf). A first round of ``steps`` steps, one host sync; later rounds of MORE_STEPS only
     while a row is undecided, resuming from the saved state."""
     b, v = logits.shape
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
     chunk = chunk or chunk_for(b)
     c = triton.cdiv(v, chunk)
     cp = triton.next_power_of_2(c)
     vals = torch.topk(logits, kmax, dim=-1).values if kmax else logits
-    s = torch.empty_like(logits)
+    s = torch.empty(b, v, dtype=torch.float32, device=logits.device)
     fpart = torch.empty(max_steps + 2, b, c, dtype=torch.float32, device=logits.device)
     ipart = torch.empty(max_steps + 1, b, c, 4, dtype=torch.int64, device=logits.device)
     state = torch.empty(max_steps + 2, b, 2, dtype=torch.int64, device=logits.device)
