@@ -1,10 +1,13 @@
 """Sampling cost per step and its share of decode, JSON lines.
 
     python benchmarks/sampler.py --device cuda --vocab 151936          # sampler alone
+    python benchmarks/sampler.py --device cuda --reference             # and the sorted path
     python benchmarks/sampler.py --device cuda --e2e benchmarks/configs/qwen3-8b.json
 
 ``sampler`` lines: ms per ``sample`` call (logits [B, V] fp32 in, token ids out, host sync
-included) for greedy, top-p and top-k, with the ratio to greedy. ``e2e``
+included) for greedy, top-p, top-k, min-p and all three, with the ratio to greedy; with
+``--reference`` also ``sampler_sorted`` lines, the same calls through ``sample_sorted`` (one
+stable sort per filtered row) timed in the same run, and the speedup of ``sample``. ``e2e``
 lines: batch-1 decode tok/s of a dummy-weight model, top-p and top-k against greedy (target >= 0.97).
 """
 
@@ -23,6 +26,8 @@ KINDS = {
     "greedy": SamplingParams(temperature=0.0),
     "top_p": SamplingParams(temperature=0.8, top_p=0.95),
     "top_k": SamplingParams(temperature=0.8, top_k=50),
+    "min_p": SamplingParams(temperature=0.8, min_p=0.05),
+    "combined": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05),
 }
 
 
@@ -31,8 +36,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_sampler(device: torch.device, vocab: int, batch: int, kind: str, iters: int) -> float:
-    """Median ms of one sample() call on realistic (peaked) logits."""
+def time_sampler(device: torch.device, vocab: int, batch: int, kind: str, iters: int,
+                 fn=sampler.sample) -> float:
+    """Median ms of one ``fn`` (sample() or sample_sorted()) call on realistic (peaked) logits."""
 
     gen = torch.Generator(device=device).manual_seed(batch)
     logits = torch.randn(batch, vocab, device=device, generator=gen) * 4
@@ -41,7 +47,7 @@ def time_sampler(device: torch.device, vocab: int, batch: int, kind: str, iters:
     for i in range(iters + 3):
         _sync(device)
         t0 = time.perf_counter()
-        sampler.sample(logits, params, list(range(batch)), [i] * batch)
+        fn(logits, params, list(range(batch)), [i] * batch)
         _sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times[3:])[iters // 2] * 1e3
@@ -54,6 +60,13 @@ def bench_sampler(args: argparse.Namespace, device: torch.device) -> None:
             print(json.dumps({"bench": "sampler", "device": str(device), "vocab": args.vocab,
                               "batch": batch, "kind": kind, "ms": round(t, 3),
                               "ratio_to_greedy": round(t / ms["greedy"], 2)}), flush=True)
+        if args.reference:
+            for kind in KINDS:
+                ref = time_sampler(device, args.vocab, batch, kind, args.iters, sampler.sample_sorted)
+                print(json.dumps({"bench": "sampler_sorted", "device": str(device),
+                                  "vocab": args.vocab, "batch": batch, "kind": kind,
+                                  "ms": round(ref, 3), "speedup_of_sample": round(ref / ms[kind], 2)}),
+                      flush=True)
 
 
 def bench_e2e(args: argparse.Namespace) -> None:
@@ -78,6 +91,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--reference", action="store_true",
+                   help="also time sample_sorted (the full-sort path) in the same run")
     p.add_argument("--e2e", default=None, help="config.json of a model for the bs=1 decode check")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)

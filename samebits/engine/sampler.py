@@ -101,7 +101,16 @@ def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> t
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            indices: list[int]) -> list[int]:
-    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row."""
+    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row. On CUDA
+    the filtered draws take the rejection chain (``sample_chained``): the same tokens, no sort."""
+    if logits.is_cuda and not all(p.greedy for p in params):
+        return sample_chained(logits, params, seeds, indices)
+    return sample_sorted(logits, params, seeds, indices)
+
+
+def sample_sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                  indices: list[int]) -> list[int]:
+    """The definition, computed as written: one stable sort per filtered row (``keep_mask``)."""
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -111,3 +120,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                             device=logits.device, dtype=torch.int64)  # [B, 2]
         tokens[idx] = draw(logits[idx] / temps[:, None], [params[i] for i in rows], keys)
     return tokens.tolist()
+
+
+def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                   indices: list[int], steps: int | None = None, max_steps: int | None = None,
+                   chunk: int | None = None, block: int | None = None) -> list[int]:
+    """``sample_sorted``'s tokens through the rejection chain (ops/triton/rejection_chain.py): the
+    row parameters reach the device in one copy, a fixed number of launches, one host sync (more
+    only while a row is undecided); rows the chain leaves undecided after ``max_steps`` steps, or
+    not finite, are drawn by ``sample_sorted``. ``steps``, ``max_steps``, ``chunk`` and ``block``
+    change the cost, never a token."""
+    from samebits.ops.triton import rejection_chain as chain
+    v = logits.shape[-1]
+    table, kmax = [], 0
+    for p, seed, index in zip(params, seeds, indices, strict=True):
+        k = p.top_k if 0 < p.top_k < v else v
+        kmax = max(kmax, k if k < v and not p.greedy else 0)
+        keys = (0, 0) if p.greedy else stream_key(seed, index)
+        table += [1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p, *keys, 0]
+    table = torch.tensor(table, dtype=torch.float64).view(-1, chain.COLS).to(logits.device)
+    tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
+                        chain.MAX_STEPS if max_steps is None else max_steps, chunk,
+                        block or chain.BLOCK)
+    rest = [i for i, t in enumerate(tokens) if t < 0]
+    if rest:
+        drawn = sample_sorted(logits[rest], [params[i] for i in rest], [seeds[i] for i in rest],
+                              [indices[i] for i in rest])
+        for i, t in zip(rest, drawn, strict=True):
+            tokens[i] = t
+    return tokens

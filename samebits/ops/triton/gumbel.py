@@ -25,6 +25,16 @@ def _mix32(x):
 
 
 @triton.jit
+def noise(k1, k2, cols):
+    """Gumbel noise fp32 of token ids ``cols`` under key words k1, k2 (uint32): the sampler's
+    ``gumbel_noise`` element for element."""
+    h = _mix32(_mix32(k1 ^ cols.to(tl.uint32)) ^ k2)
+    h = _mix32(h ^ 0x85EBCA6B)
+    u = ((h >> 8).to(tl.float64) + 0.5) / 16777216.0
+    return (-tl.log(-tl.log(u))).to(tl.float32)
+
+
+@triton.jit
 def _chunk_argmax_kernel(x_ptr, keep_ptr, keys_ptr, best_ptr, idx_ptr, V, stride_x, stride_k,
                          num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -38,11 +48,7 @@ def _chunk_argmax_kernel(x_ptr, keep_ptr, keys_ptr, best_ptr, idx_ptr, V, stride
         inside = cols < V
         x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=float("-inf"))
         keep = tl.load(keep_ptr + row * stride_k + cols, mask=inside, other=0)
-        h = _mix32(_mix32(k1 ^ cols.to(tl.uint32)) ^ k2)
-        h = _mix32(h ^ 0x85EBCA6B)
-        u = ((h >> 8).to(tl.float64) + 0.5) / 16777216.0
-        g = (-tl.log(-tl.log(u))).to(tl.float32)
-        s = tl.where((keep != 0) & inside, x + g, float("-inf"))
+        s = tl.where((keep != 0) & inside, x + noise(k1, k2, cols), float("-inf"))
         block_best = tl.max(s, 0)
         block_id = start + tl.argmax(s, 0, tie_break_left=True)
         take = block_best > best  # strict: an earlier block (lower ids) keeps a tie
