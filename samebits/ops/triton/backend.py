@@ -38,8 +38,8 @@ class TritonBackend:
     name = f"triton-cuda|{_arithmetic_digest()}"
     batch_invariant = True
     # One K chain per element until a segmented TMA GEMM exists: the pointer kernel's segmented
-    # schedules run 5-11x slower than the one-segment TMA kernel at prefill sizes
-    # (benchmarks/segmented_linear.py). So on CUDA, TP > 1 does not reproduce TP 1's bits.
+    # schedules run 1.04-1.75x the one-segment kernels' time (benchmarks/segmented_linear.py).
+    # So on CUDA, TP > 1 does not reproduce TP 1's bits.
     row_parallel_segments = False
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
