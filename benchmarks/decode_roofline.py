@@ -21,21 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from samebits import LLM, SamplingParams
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() * src.element_size() / sorted(times[3:])[reps // 2]
+from samebits.roofline import copy_bandwidth
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -28,13 +28,21 @@ class Ceilings:
 
 
 def measure_ceilings(device: torch.device | str = "cuda", reps: int = 10) -> Ceilings:
+    return Ceilings(copy_bandwidth(device, reps), mma_rate(device, reps))
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", reps: int = 10) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting bytes read plus written."""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    copy = _median_seconds(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() * 2 / _median_seconds(lambda: dst.copy_(src), reps)
+
+
+def mma_rate(device: torch.device | str = "cuda", reps: int = 10) -> float:
+    """FLOP per second of an 8192^3 bf16 matrix product on random data."""
     a = torch.randn(8192, 8192, device=device).bfloat16()
     b = torch.randn(8192, 8192, device=device).bfloat16()
-    mm = _median_seconds(lambda: a @ b, reps)
-    return Ceilings(2 * src.numel() * 2 / copy, 2 * 8192 ** 3 / mm)
+    return 2 * 8192 ** 3 / _median_seconds(lambda: a @ b, reps)
 
 
 def _median_seconds(fn, reps: int) -> float:
