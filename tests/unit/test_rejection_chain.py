@@ -117,8 +117,9 @@ def _emulated_row(x: torch.Tensor, p: SP, key: tuple[int, int], steps: int) -> i
     return -1
 
 
-@pytest.mark.parametrize("kind", [  # the default run keeps the flat and the tied distributions
-    "uniform", "top_ties", pytest.param("peaked", marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind", [  # the default run keeps the tied distribution (CI's budget)
+    "top_ties", pytest.param("uniform", marks=pytest.mark.slow),
+    pytest.param("peaked", marks=pytest.mark.slow),
     pytest.param("coarse", marks=pytest.mark.slow), pytest.param("masked", marks=pytest.mark.slow)])
 def test_chain_draws_the_sorted_definitions_token(kind: str) -> None:
     logits = _rows(kind, len(PARAMS), seed=len(kind))
