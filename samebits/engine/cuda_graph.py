@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from samebits.ops.backend import AttentionMetadata
+from samebits.transfer import to_device
 
 log = logging.getLogger("samebits.engine")
 
@@ -98,8 +99,7 @@ class _Captured:
 
     def replay(self, rows: list[list[int]]) -> torch.Tensor:
         ids, pos, slots, lens, tables = rows
-        host = torch.tensor(ids + pos + slots + lens + tables, dtype=torch.int64)
-        dev = host.to(self.input_ids.device, non_blocking=True)
+        dev = to_device(ids + pos + slots + lens + tables, torch.int64, self.input_ids.device)
         s = self.size
         self.input_ids.copy_(dev[:s])
         self.positions.copy_(dev[s:2 * s])

@@ -16,6 +16,7 @@ from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
 from samebits.ops.backend import AttentionMetadata
+from samebits.transfer import to_device
 
 
 @dataclass
@@ -220,15 +221,21 @@ class ModelRunner:
 
     def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
                 result: StepResult) -> None:
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32, raw
+        """Logits, logprobs and tokens of the sampled rows, queued behind the forward; the host
+        waits once, for tokens and chosen logprobs together (on CUDA the filtered draws wait once
+        more, inside the sampler)."""
+        if sample_rows != list(range(hidden.shape[0])):
+            hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
+        logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
         logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
         logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
-        tokens = sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                [len(s.output_token_ids) for s in seqs])
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
-        result.sampled, result.tokens = seqs, tokens
-        result.logprobs = chosen.tolist()
+        tokens = sampler.sample_tensor(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.output_token_ids) for s in seqs])
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        # token ids < 2**53 and fp32 logprobs are exact in fp64: one transfer carries both
+        ids, values = torch.stack([tokens.double(), chosen.double()]).tolist()
+        result.sampled, result.tokens = seqs, [int(t) for t in ids]
+        result.logprobs = values
         result.top_logprobs = [_top(logprobs[i], s.params.logprobs) for i, s in enumerate(seqs)]
 
     def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:

@@ -18,6 +18,7 @@ import math
 import torch
 
 from samebits.sampling_params import SamplingParams
+from samebits.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 _MASS_SCALE = 2.0 ** 32  # top-p mass unit: 2**-32 of the most likely token's weight
@@ -101,25 +102,39 @@ def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> t
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            indices: list[int]) -> list[int]:
-    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row. On CUDA
-    the filtered draws take the rejection chain (``sample_chained``): the same tokens, no sort."""
+    """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row."""
+    return sample_tensor(logits, params, seeds, indices).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                  indices: list[int]) -> torch.Tensor:
+    """``sample``'s tokens as an int64 tensor [B] on the logits' device. Greedy rows are queued
+    with no host sync (the caller's one read of the step's results waits for them); on CUDA the
+    filtered draws take the rejection chain (``sample_chained``): the same tokens, no sort."""
     if logits.is_cuda and not all(p.greedy for p in params):
-        return sample_chained(logits, params, seeds, indices)
-    return sample_sorted(logits, params, seeds, indices)
+        tokens = sample_chained(logits, params, seeds, indices)
+        return to_device(tokens, torch.int64, logits.device)
+    return _sorted(logits, params, seeds, indices)
 
 
 def sample_sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                   indices: list[int]) -> list[int]:
     """The definition, computed as written: one stable sort per filtered row (``keep_mask``)."""
+    return _sorted(logits, params, seeds, indices).tolist()
+
+
+def _sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+            indices: list[int]) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)  # first maximum: ties -> lowest id
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        keys = torch.tensor([stream_key(seeds[i], indices[i]) for i in rows],
-                            device=logits.device, dtype=torch.int64)  # [B, 2]
+        dev = logits.device
+        idx = to_device(rows, torch.int64, dev)
+        temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+        keys = to_device([stream_key(seeds[i], indices[i]) for i in rows], torch.int64,
+                         dev)  # [B, 2]
         tokens[idx] = draw(logits[idx] / temps[:, None], [params[i] for i in rows], keys)
-    return tokens.tolist()
+    return tokens
 
 
 def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
@@ -138,7 +153,7 @@ def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: li
         kmax = max(kmax, k if k < v and not p.greedy else 0)
         keys = (0, 0) if p.greedy else stream_key(seed, index)
         table += [1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p, *keys, 0]
-    table = torch.tensor(table, dtype=torch.float64).view(-1, chain.COLS).to(logits.device)
+    table = to_device(table, torch.float64, logits.device).view(-1, chain.COLS)
     tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
                         chain.MAX_STEPS if max_steps is None else max_steps, chunk,
                         block or chain.BLOCK)

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from samebits.ops.triton.launcher import programmatic, wait_for_inputs
+
 FP_FUSION = True
 BLOCK = 1024
 # The interpreter has no libdevice: numpy's exp there (tests compare against the same formula).
@@ -31,8 +33,9 @@ _NO_FTZ = {"enable_reflect_ftz": False}
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+                     BLOCK: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = round(round(silu(gate[m, n])) * up[m, n]); program (m, j): columns of block j."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -66,7 +69,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, fp_fusion: bool = FP_FUSION) 
     m, n = g2.shape
     out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if m and n:
+        pdl = programmatic(out)
         _silu_mul_kernel[(m, triton.cdiv(n, BLOCK))](
             g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=BLOCK,
-            ACCURATE=ACCURATE_EXP, num_warps=4, enable_fp_fusion=fp_fusion, **_NO_FTZ)
+            ACCURATE=ACCURATE_EXP, PDL=pdl, num_warps=4, enable_fp_fusion=fp_fusion,
+            launch_pdl=pdl, **_NO_FTZ)
     return out.view(gate.shape)

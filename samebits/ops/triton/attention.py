@@ -41,6 +41,7 @@ from samebits.ops.triton.attention_kernels import (
     _prefill_kernel,
     _split_kernel,
 )
+from samebits.ops.triton.launcher import programmatic
 
 try:  # Gluon's Hopper API (Triton >= 3.5): the warp-specialized prefill kernel
     from triton.experimental.gluon import language as gl
@@ -189,6 +190,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     la = p.launch
     stages = max(2, min(la.merge_stages, p.dec_max_splits))
     rows = max(16, triton.next_power_of_2(hq // hkv))
+    pdl = dict(PDL=programmatic(q), launch_pdl=programmatic(q))
     if _gluon_decode_fits(q, meta, p, hq // hkv):
         k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size)
         _split_gluon_kernel[(n_dec, hkv, p.dec_max_splits)](
@@ -201,7 +203,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
             q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
             p.dec_max_splits, c, G=hq // hkv, ROWS=rows, **_common(q, meta, p),
-            num_warps=la.split_warps, num_stages=la.split_stages, enable_fp_fusion=False)
+            num_warps=la.split_warps, num_stages=la.split_stages, enable_fp_fusion=False, **pdl)
     scan = la.merge_scan
     if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
         scan = p.dec_max_splits >= la.merge_scan_min_splits
@@ -211,14 +213,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
             p.dec_max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
             NS=triton.next_power_of_2(p.dec_max_splits), STAGES=stages,
-            num_warps=la.merge_warps, enable_fp_fusion=False)
+            num_warps=la.merge_warps, enable_fp_fusion=False, **pdl)
     else:
         hb = la.merge_heads
         _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
             part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
             p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
             SPLIT=p.split_size, STAGES=stages,
-            num_warps=la.merge_warps, enable_fp_fusion=False)
+            num_warps=la.merge_warps, enable_fp_fusion=False, **pdl)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

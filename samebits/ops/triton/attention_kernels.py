@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from samebits.ops.triton.launcher import wait_for_inputs
+
 
 @triton.jit
 def _kv_block(k_cache, v_cache, bt_row, head_off, key_pos, k_hi, stride_slot,
@@ -114,7 +116,7 @@ def _merge(M, L, ACC, m_s, l_s, acc_s, c):
 def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc, part_ml,
                   stride_qt, stride_qh, stride_bt, stride_slot, stride_pt, stride_ph, c,
                   G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Partial (m, ls, acc) of split ``program_id(2)`` for the G query heads of one token and kv
     head ``program_id(1)`` (flash-decoding). Rows: the G heads, padded to ROWS with copies. The
     products are transposed (MMAs with 64-row tiles of keys or D instead of 16 padded query
@@ -123,6 +125,7 @@ def _split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_ptr, pos_ptr, row_ptr, pa
     Invariance: a partial depends on q of that token/head, its position p and K/V of the split's
     keys <= p; not on the batch, the other tokens or the physical blocks.
     """
+    wait_for_inputs(PDL)
     j = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,11 +194,12 @@ def _merge_splits(part_acc, part_ml, j, hs, hmask, n_splits, stride_pt, stride_p
 @triton.jit
 def _merge_kernel(part_acc, part_ml, pos_ptr, row_ptr, out_ptr, stride_pt, stride_ph, stride_ot,
                   stride_oh, c, HQ, HB: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, PDL: tl.constexpr):
     """out = merge of splits 0..p//SPLIT, ascending, for HB heads of one token (program_id 0, 1).
 
     The loop's loads are software-pipelined STAGES deep (they do not depend on the fold).
     """
+    wait_for_inputs(PDL)
     j = tl.program_id(0)
     hs = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = hs < HQ
@@ -289,12 +293,13 @@ def _max_fn(a, b):
 @triton.jit
 def _merge_scan_kernel(part_acc, part_ml, part_a, pos_ptr, row_ptr, out_ptr, stride_pt,
                        stride_ph, stride_ot, stride_oh, c, D: tl.constexpr, SPLIT: tl.constexpr,
-                       NS: tl.constexpr, STAGES: tl.constexpr):
+                       NS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """``_merge_kernel``'s bits for one (token ``program_id(0)``, head ``program_id(1)``), faster
     when there are many splits: the running max after split k is a prefix max, which is exact, so
     a scan gives the sequential fold's M_k bit for bit, and with it a1_k = exp2((M_{k-1} - M_k) c)
     and a2_k = exp2((m_k - M_k) c) for every split at once (staged in ``part_a``). The loop is
     then only ``_merge``'s two fma chains, in ascending split order, its loads pipelined."""
+    wait_for_inputs(PDL)
     j = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + j)

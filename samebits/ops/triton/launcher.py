@@ -19,14 +19,47 @@ interpreter (``TRITON_INTERPRET=1``) there is no compiled handle and every call 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 try:
     from triton import knobs
 except ImportError:  # pragma: no cover - older Triton: no launch hooks to honour
     knobs = None
+
+
+try:  # programmatic dependent launch (Hopper+): the next kernel starts while this one finishes
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - Triton without grid dependency control
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """First statement of a kernel launched with ``launch_pdl=PDL``: wait until the previous
+    kernel in the stream has finished and its writes are visible, then let the next kernel
+    launch. The next kernel's programs then start (and get resident) while this one runs, and
+    wait at this same statement before they read or write any tensor. Nothing is read or written
+    before the wait, so the order of every load and store in the stream stays the stream's."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def programmatic(t: torch.Tensor) -> bool:
+    """Launch kernels on ``t``'s device with programmatic dependent launch (``launch_pdl`` and
+    the kernel's ``PDL`` constexpr): CUDA compute capability 9+ and a Triton with grid dependency
+    control. It only moves launches earlier, never changes a result."""
+    return t.is_cuda and _programmatic_device(t.device.index or 0)
+
+
+@functools.cache
+def _programmatic_device(index: int) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def aligned(*ts: torch.Tensor | None) -> int:

@@ -34,10 +34,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from samebits.ops.backend import KBounds, check_k_bounds
 from samebits.ops.triton import linear_kernels as K
-from samebits.ops.triton.launcher import Launcher, aligned
+from samebits.ops.triton.launcher import Launcher, aligned, programmatic
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
 SPLIT_MAX_M = 64  # at or below this many rows, segments run as separate programs (split-K)
+PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,12 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False  # persistent TMA kernel (16-bit dtypes, 16-byte aligned rows)
+    prefetch: int = 0  # bytes of its weight rows a program asks L2 for before its input is ready
+
+    def __post_init__(self) -> None:
+        threads = self.num_warps * 32
+        if self.prefetch and (threads % self.block_n or self.prefetch % (16 * threads)):
+            raise ValueError(f"prefetch needs BLOCK_N | threads and 16 * threads | bytes: {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +118,15 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     if dtype == torch.float32:  # FMA path: small tiles, BLOCK_K divides SEGMENT_ALIGN
         return GemmConfig(32 if m <= 32 else 64, 64, 32, 4, 3)
     if m <= 8:
-        return GemmConfig(16, 64, 256, 4, 4) if n < 24576 else GemmConfig(16, 64, 128, 4, 5)
+        if n < 24576:
+            return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
+        return GemmConfig(16, 64, 128, 4, 5, prefetch=PREFETCH)
     if m <= 16:
-        return GemmConfig(16, 64, 256, 4, 4)
+        return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
     if m <= 32:
-        return GemmConfig(32, 32, 256, 4, 4)
+        return GemmConfig(32, 32, 256, 4, 4, prefetch=PREFETCH)
     if m <= 64:
-        return GemmConfig(64, 64, 128, 4, 4)
+        return GemmConfig(64, 64, 128, 4, 4, prefetch=PREFETCH)
     if m <= 128:  # tiles picked on the H200 sweep (benchmarks/NOTES-kernels.md)
         if n <= 4096:
             return GemmConfig(64, 64, 256, 4, 3, tma=True)
@@ -181,19 +190,23 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     target = out if keep or not split else x.new_empty(segs, m, n, dtype=torch.float32)
     bias = b if b is not None else x
-    even = layout.even(k, cfg.block_k)
+    even, pdl = layout.even(k, cfg.block_k), programmatic(x)
+    prefetch = cfg.prefetch * (pdl and not split and aligned(w) == 1
+                               and (w.stride(0) * w.element_size()) % 16 == 0)
     key = (x.dtype, w.dtype, target.dtype, b is not None, n, k, x.stride(0), w.stride(0),
-           target.stride(-2), layout, split, cfg, even, aligned(x, w, bias, target))
+           target.stride(-2), layout, split, cfg, even, pdl, prefetch, aligned(x, w, bias, target))
     _LINEAR(key, (tiles, segs if split else 1), x, w, bias, target, m, n, k, x.stride(0),
             w.stride(0), target.stride(-2), m * n, layout.base, layout.extra, segs, split,
             segs > 1, b is not None and not split, cfg.block_m, cfg.block_n, cfg.block_k,
-            cfg.group_m, even, "ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            cfg.group_m, even, "ieee" if x.dtype == torch.float32 else "tf32", pdl,
+            prefetch, cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            launch_pdl=pdl)
     if split and not keep:
         block = 1024
-        _SUM_PARTIALS((target.dtype, out.dtype, b is not None, segs, aligned(target, bias, out)),
+        _SUM_PARTIALS((target.dtype, out.dtype, b is not None, segs, pdl,
+                       aligned(target, bias, out)),
                       (triton.cdiv(m * n, block),), target, bias, out, m * n, n, segs,
-                      b is not None, block, num_warps=4)
+                      b is not None, block, pdl, num_warps=4, launch_pdl=pdl)
 
 
 @functools.lru_cache(maxsize=64)
@@ -225,9 +238,9 @@ def _run_tma(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torc
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     programs = min(tiles, sms)
-    bias = b if b is not None else x
-    key = (x.dtype, w.dtype, out.dtype, b is not None, n, k, cfg, programs, aligned(bias))
+    bias, pdl = b if b is not None else x, programmatic(x)
+    key = (x.dtype, w.dtype, out.dtype, b is not None, n, k, cfg, programs, pdl, aligned(bias))
     _TMA(key, (programs,), TensorDescriptor.from_tensor(x, [bm, bk]),
          TensorDescriptor.from_tensor(w, [bn, bk]), TensorDescriptor.from_tensor(out, [bm, bn]),
-         bias, m, n, k, b is not None, bm, bn, bk, cfg.group_m, programs,
-         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+         bias, m, n, k, b is not None, bm, bn, bk, cfg.group_m, programs, pdl,
+         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from samebits.ops.triton.launcher import wait_for_inputs
+
 
 @triton.jit
 def _segment_range(seg, SEG_BASE, SEG_EXTRA, K, EVEN_K: tl.constexpr):
@@ -49,19 +51,41 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
     return acc
 
 
+@triton.jit
+def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: tl.constexpr,
+                   THREADS: tl.constexpr):
+    """Ask L2 for the first ``BYTES`` of weight rows [first, first + BLOCK_N) (rows past N
+    clamped, at most each row's K elements), split over THREADS threads, one bulk prefetch each.
+    A hint: it reads nothing into registers and changes no result."""
+    CHUNK: tl.constexpr = BYTES // THREADS // 16 * 16
+    e = tl.arange(0, THREADS)
+    row = (first + e % BLOCK_N) % N
+    lo = (e // BLOCK_N) * CHUNK
+    row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    size = tl.minimum(tl.maximum(row_bytes - lo, 0), CHUNK) // 16 * 16
+    addr = (w_ptr + row.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True) + lo
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+        "mov.u32 $0, 0; }", "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "stride_ps"])  # one compile serves every row count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    stride_ps, SEG_BASE, SEG_EXTRA, NUM_SEGS, SPLIT: tl.constexpr,
                    MULTI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr, THREADS: tl.constexpr):
     """out = x @ w.T (+ b) with the segment order of the module docstring.
 
     Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segments (SEG_BASE,
     SEG_EXTRA, NUM_SEGS) -- not on M, the row's position, the tile shape or the program count.
     Each segment's partial is the one-segment product of its columns alone. SPLIT=True writes the fp32
     partial of segment ``program_id(1)`` to ``out_ptr + seg * stride_ps`` instead; MULTI is
-    ``NUM_SEGS > 1`` (compile-time, so one segment keeps one accumulator).
+    ``NUM_SEGS > 1`` (compile-time, so one segment keeps one accumulator). PREFETCH > 0 (bytes,
+    with PDL): before waiting for x, the program asks L2 for the start of its weight rows --
+    weights are no kernel's output, so this overlaps the previous kernel's tail.
     """
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -71,6 +95,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     group_size = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % group_size
     pid_n = (pid % width) // group_size
+    if PREFETCH > 0:
+        _prefetch_rows(w_ptr, pid_n * BLOCK_N, N, K, stride_wn, BLOCK_N, PREFETCH, THREADS)
+    wait_for_inputs(PDL)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = (rows % M).to(tl.int64)  # clamped rows/cols: loads need no masks, the store is masked
@@ -99,8 +126,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
 
 @triton.jit(do_not_specialize=["MN"])
 def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = ((p0 + p1) + p2) ... (+ b): the fused kernel's sum, element by element."""
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     total = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -114,12 +142,13 @@ def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl
 @triton.jit(do_not_specialize=["M"])
 def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                       GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
     """Persistent TMA GEMM, one segment: out = x @ w.T (+ b); programs stride over output tiles.
 
     Invariance: as ``_linear_kernel`` with one segment -- ``out[i, j]`` depends on x[i, :], w[j, :]
     and b[j] only (K tails are zero-filled by the TMA unit, like the masked loads there).
     """
+    wait_for_inputs(PDL)
     start = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)

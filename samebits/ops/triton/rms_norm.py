@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.ops.triton.launcher import Launcher, aligned
+from samebits.ops.triton.launcher import Launcher, aligned, programmatic, wait_for_inputs
 
 MAX_BLOCK = 65536
 # fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
@@ -49,12 +49,13 @@ def weigh(y, w):
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stride_r, stride_o,
                      stride_s, eps, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = w * rms_normalize(x (+ r)); with HAS_RES also sum_out = x + r (in x's dtype).
 
     Invariance: row i's outputs depend on x[i] (and r[i]), w and eps only; (ROWS, BLOCK, warps)
     are fixed by H.
     """
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < H)[None, :]
@@ -93,12 +94,12 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
     r2 = r.reshape(-1, h).contiguous() if r is not None else x2
     if m:
         rows, block, warps = _shape(h)
-        s = summed if summed is not None else out
+        s, pdl = summed if summed is not None else out, programmatic(x2)
         key = (x2.dtype, r2.dtype, w.dtype, out.dtype, h, x2.stride(0), r2.stride(0),
-               out.stride(0), s.stride(0), eps, r is not None, aligned(x2, r2, w, out, s))
+               out.stride(0), s.stride(0), eps, r is not None, pdl, aligned(x2, r2, w, out, s))
         _RMS_NORM(key, (triton.cdiv(m, rows),), x2, r2, w, out, s, m, h, x2.stride(0),
-                  r2.stride(0), out.stride(0), s.stride(0), eps, r is not None, rows, block,
-                  num_warps=warps, enable_fp_fusion=FP_FUSION)
+                  r2.stride(0), out.stride(0), s.stride(0), eps, r is not None, rows, block, pdl,
+                  num_warps=warps, enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
     lead = x.shape[:-1]
     return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 from samebits.ops.triton.rms_norm import FP_FUSION, _shape, inv_rms, normalize, weigh
 
 # The interpreter has no inline PTX; numpy's float32 ops there are single IEEE operations anyway.
@@ -104,8 +105,9 @@ def _qkv_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_c
                            v_cache_ptr, slot_ptr, T, D, HALF_D, stride_qkv, stride_cos, eps,
                            HQ: tl.constexpr, HKV: tl.constexpr, HAS_NORM: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
-                           RN: tl.constexpr):
+                           RN: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, nq): q head rows; [nq, nq + nk): k head rows; the rest: v head rows."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     nq, nk = tl.cdiv(T * HQ, ROWS), tl.cdiv(T * HKV, ROWS)
     if pid < nq:
@@ -158,10 +160,10 @@ def qkv_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return q
     rows, block, warps = _shape(d)
     grid = (triton.cdiv(t * hq, rows) + 2 * triton.cdiv(t * hkv, rows),)
-    has_norm = q_norm is not None
+    has_norm, pdl = q_norm is not None, programmatic(qkv)
     _qkv_rope_store_kernel[grid](
         qkv, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, q, k_cache,
         v_cache, slot_mapping, t, d, d // 2, qkv.stride(0), cos.stride(0), eps, HQ=hq, HKV=hkv,
         HAS_NORM=has_norm, ROWS=rows, BLOCK=block, HALF=triton.next_power_of_2(d // 2),
-        RN=ROUNDED_PTX, num_warps=warps, enable_fp_fusion=FP_FUSION)
+        RN=ROUNDED_PTX, PDL=pdl, num_warps=warps, enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
     return q
