@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)``, queued without a host sync on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device | str
+              ) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)``, queued without a host sync on CUDA
+    (a numpy array is read in place, not element by element)."""
+    host = (torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray)
+            else torch.tensor(values, dtype=dtype))
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -100,7 +100,10 @@ class KVCacheManager:
 
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.block_hashes`` over the full blocks among its first ``num_tokens``."""
-        bs, tokens = self.block_size, seq.all_token_ids
+        bs = self.block_size
+        if (len(seq.block_hashes) + 1) * bs > num_tokens:  # most steps: no block filled
+            return
+        tokens = seq.all_token_ids
         while (len(seq.block_hashes) + 1) * bs <= num_tokens:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else self._salted_root(seq)
@@ -146,5 +149,5 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its last blocks are evicted first."""
         self.pool.release(list(reversed(seq.block_table)))
-        seq.block_table.clear()
+        seq.block_table = []  # a new list: a list seen before only ever grows (cuda_graph.py)
         seq.num_committed_blocks = 0

@@ -188,7 +188,7 @@ class ModelRunner:
                 or any(s.score_only or s.num_computed_tokens + 1 != s.num_tokens for s in seqs)):
             return None
         pos = [s.num_computed_tokens for s in seqs]
-        return DecodeBatch(input_ids=[s.all_token_ids[p] for s, p in zip(seqs, pos, strict=True)],
+        return DecodeBatch(input_ids=[s.token_id(p) for s, p in zip(seqs, pos, strict=True)],
                            positions=pos,
                            slots=[self._slot(s, p) for s, p in zip(seqs, pos, strict=True)],
                            block_tables=[s.block_table for s in seqs])

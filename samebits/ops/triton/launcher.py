@@ -52,9 +52,13 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 def programmatic(t: torch.Tensor) -> bool:
     """Launch kernels on ``t``'s device with programmatic dependent launch (``launch_pdl`` and
-    the kernel's ``PDL`` constexpr): CUDA compute capability 9+ and a Triton with grid dependency
-    control. It only moves launches earlier, never changes a result."""
-    return t.is_cuda and _programmatic_device(t.device.index or 0)
+    the kernel's ``PDL`` constexpr): while a CUDA graph is being captured (decode steps), on
+    compute capability 9+, with a Triton that has grid dependency control. It only moves launches
+    earlier, never changes a result. Eager launches keep plain stream order: there the host's
+    launch cost, not the device's, sets the pace, and an eager PDL launch after a graph replay
+    measured slower (H100)."""
+    return (t.is_cuda and _programmatic_device(t.device.index or 0)
+            and torch.cuda.is_current_stream_capturing())
 
 
 @functools.cache
