@@ -130,6 +130,7 @@ class _Captured:
         torch.cuda.synchronize(dev)
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)  # [size, H]
+        self.graph.replay()  # the first replay uploads the graph: not in a request's time
 
     def replay(self, batch: DecodeBatch) -> torch.Tensor:
         dev = to_device(self.host.fill(batch), torch.int64, self.input_ids.device)

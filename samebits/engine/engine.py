@@ -71,13 +71,15 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Run prefills of each row-count class the kernels pick tiles by, alone and after a
         cached context, so every kernel variant a step can launch is compiled before the first
-        request (decode kernels were compiled by the CUDA-graph captures). Nothing stays behind:
+        request (decode kernels were compiled by the CUDA-graph captures), then the sampling
+        tail of every decode batch size (``ModelRunner.warm_up_sampling``). Nothing stays behind:
         no request, no cached block, no drawn seed."""
         capacity = self.runner.num_blocks * self.config.block_size
         limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1, capacity) - 16
         for n in sorted({min(n, limit) for n in (1, 8, 16, 32, 64, 128, 256, 1024, limit)}):
             self.prompt_hidden([0] * n)
             self.prompt_hidden([0] * (16 + n), chunks=[16, n])
+        self.runner.warm_up_sampling()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

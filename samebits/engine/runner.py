@@ -16,6 +16,7 @@ from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
 from samebits.ops.backend import AttentionMetadata
+from samebits.sampling_params import SamplingParams
 from samebits.transfer import to_device
 
 
@@ -237,6 +238,25 @@ class ModelRunner:
         result.sampled, result.tokens = seqs, [int(t) for t in ids]
         result.logprobs = values
         result.top_logprobs = [_top(logprobs[i], s.params.logprobs) for i, s in enumerate(seqs)]
+
+    @torch.inference_mode()
+    def warm_up_sampling(self) -> None:
+        """Logits, logprobs and tokens of every decode batch bucket, and each kind of draw
+        (greedy, temperature, top-k, top-p, min-p) at the smallest and largest, on scratch hidden
+        states: every kernel of the step's tail outside the graphs is compiled and loaded before
+        the first request. No state is touched."""
+        sizes = sorted({batch_bucket(n) for n in range(1, self.config.max_num_seqs + 1)})
+        kinds = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=20),
+                 SamplingParams(top_p=0.9), SamplingParams(min_p=0.1)]
+        for size in sizes:
+            hidden = torch.zeros(size, self.model.cfg.hidden_size, dtype=self.dtype,
+                                 device=self.device)
+            logits = self.model.compute_logits(hidden)
+            logprobs = self.model.ops.log_softmax(logits)
+            for params in kinds if size in (sizes[0], sizes[-1]) else kinds[:1]:
+                tokens = sampler.sample_tensor(logits, [params] * size, [0] * size, [0] * size)
+                torch.stack([tokens.double(), logprobs.gather(1, tokens[:, None])[:, 0].double()]
+                            ).tolist()
 
     def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """Logprob of token p+1 given tokens [0, p], for each scored position p: log_softmax of the
