@@ -137,6 +137,20 @@ def _sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]
     return tokens
 
 
+def chain_table(params: list[SamplingParams], seeds: list[int], indices: list[int], vocab: int
+                ) -> tuple[list[float], int]:
+    """The rejection chain's parameter table, flat, row by row (``rejection_chain.draw``), and
+    the largest k < vocab of a filtered row (0: none). Every value is exact in fp64; the stream
+    key is hashed on the device from the seed's words and the index."""
+    table, kmax = [], 0
+    for p, seed, index in zip(params, seeds, indices, strict=True):
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        kmax = max(kmax, k if k < vocab and not p.greedy else 0)
+        table += [1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p,
+                  seed & _M32, (seed >> 32) & _M32, index & _M32]
+    return table, kmax
+
+
 def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                    indices: list[int], steps: int | None = None, max_steps: int | None = None,
                    chunk: int | None = None, block: int | None = None) -> list[int]:
@@ -146,13 +160,7 @@ def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: li
     not finite, are drawn by ``sample_sorted``. ``steps``, ``max_steps``, ``chunk`` and ``block``
     change the cost, never a token."""
     from samebits.ops.triton import rejection_chain as chain
-    v = logits.shape[-1]
-    table, kmax = [], 0
-    for p, seed, index in zip(params, seeds, indices, strict=True):
-        k = p.top_k if 0 < p.top_k < v else v
-        kmax = max(kmax, k if k < v and not p.greedy else 0)
-        keys = (0, 0) if p.greedy else stream_key(seed, index)
-        table += [1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p, *keys, 0]
+    table, kmax = chain_table(params, seeds, indices, logits.shape[-1])
     table = to_device(table, torch.float64, logits.device).view(-1, chain.COLS)
     tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
                         chain.MAX_STEPS if max_steps is None else max_steps, chunk,

@@ -17,6 +17,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at the 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -27,6 +29,7 @@ for _name in ("gumbel", "rejection_chain"):  # re-import under the interpreter i
 from samebits.engine import sampler  # noqa: E402
 from samebits.engine.sampler import gumbel_noise, stream_key, weights  # noqa: E402
 from samebits.ops.triton import rejection_chain as chain  # noqa: E402
+from samebits.ops.triton.gumbel import stream_key as device_stream_key  # noqa: E402
 from samebits.sampling_params import SamplingParams as SP  # noqa: E402
 
 NEG = -math.inf
@@ -66,14 +69,8 @@ PARAMS = [SP(temperature=0.0), SP(), SP(temperature=0.7),
 
 
 def _table(params: list[SP], seeds: list[int], index: int) -> tuple[torch.Tensor, int]:
-    rows, kmax = [], 0
-    for p, seed in zip(params, seeds, strict=True):
-        k = p.top_k if 0 < p.top_k < V else V
-        kmax = max(kmax, k if k < V and not p.greedy else 0)
-        keys = (0, 0) if p.greedy else stream_key(seed, index)
-        rows.append([1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p,
-                     *keys, 0])
-    return torch.tensor(rows, dtype=torch.float64), kmax
+    table, kmax = sampler.chain_table(params, seeds, [index] * len(params), V)
+    return torch.tensor(table, dtype=torch.float64).view(-1, chain.COLS), kmax
 
 
 def _emulated(logits: torch.Tensor, params: list[SP], seeds: list[int], index: int,
@@ -181,3 +178,27 @@ def test_chain_row_token_ignores_batch_chunk_and_block() -> None:
                                   [seeds[i] for i in order], [index[i] for i in order],
                                   chunk=512, block=64) == [batch[i] for i in order]
     assert sampler.sample_chained(logits, params, seeds, index, chunk=2048, block=256) == batch
+
+
+
+@triton.jit
+def _keys_kernel(words_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    lo = tl.load(words_ptr + 3 * i).to(tl.uint32)
+    hi = tl.load(words_ptr + 3 * i + 1).to(tl.uint32)
+    idx = tl.load(words_ptr + 3 * i + 2).to(tl.uint32)
+    k1, k2 = device_stream_key(lo, hi, idx)
+    tl.store(out_ptr + 2 * i, k1.to(tl.int64))
+    tl.store(out_ptr + 2 * i + 1, k2.to(tl.int64))
+
+
+def test_device_stream_key_equals_the_samplers() -> None:
+    """The chain hashes each row's key on the device (gumbel.stream_key) from the seed's words
+    and the index: the same words as ``sampler.stream_key`` over the whole seed range."""
+    seeds = [0, 1, 7, 2**31, 2**32 - 1, 2**32, 2**40 + 12345, 2**63 - 1] * 2
+    indices = [0, 1, 5, 2**31 + 3, 2**32 - 1, 2**32 + 9, 77, 123456] * 2
+    table, _ = sampler.chain_table([SP()] * 16, seeds, indices, V)
+    words = torch.tensor(table, dtype=torch.float64).view(16, chain.COLS)[:, 5:].to(torch.int64)
+    out = torch.empty(16, 2, dtype=torch.int64)
+    _keys_kernel[(1,)](words.contiguous(), out, N=16)
+    assert out.tolist() == [list(stream_key(s, i)) for s, i in zip(seeds, indices, strict=True)]

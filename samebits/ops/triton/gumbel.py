@@ -25,6 +25,15 @@ def _mix32(x):
 
 
 @triton.jit
+def stream_key(lo, hi, idx):
+    """The sampler's ``stream_key`` in uint32 arithmetic: the seed's low and high words and the
+    draw index's low word -> the key words (k1, k2)."""
+    k1 = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ idx)
+    k2 = _mix32(_mix32(_mix32(hi ^ 0x7F4A7C15) ^ lo) ^ _mix32(idx ^ 0x94D049BB))
+    return k1, k2
+
+
+@triton.jit
 def noise(k1, k2, cols):
     """Gumbel noise fp32 of token ids ``cols`` under key words k1, k2 (uint32): the sampler's
     ``gumbel_noise`` element for element."""

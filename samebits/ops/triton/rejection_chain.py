@@ -40,14 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.ops.triton.gumbel import noise
+from samebits.ops.triton.gumbel import noise, stream_key
+from samebits.ops.triton.launcher import Launcher, aligned
 
 STEPS = 3  # steps of the first round: candidates tested with no host sync in between
 MORE_STEPS = 8  # steps of each later round, run only while some row is undecided
 MAX_STEPS = 27  # then the caller draws the row by the sort
 BLOCK = 1024
-COLS = 8  # table columns: temperature, greedy, k, top_p, min_p, key words, spare
-_TEMP, _GREEDY, _K, _TOP_P, _MIN_P, _KEY1, _KEY2 = (tl.constexpr(i) for i in range(7))
+COLS = 8  # table columns: temperature, greedy, k, top_p, min_p, seed words (low, high), index
+_TEMP, _GREEDY, _K, _TOP_P, _MIN_P, _SEED_LO, _SEED_HI, _INDEX = (tl.constexpr(i) for i in range(8))
 _COLS = tl.constexpr(COLS)
 _UNDECIDED, _DONE, _FALLBACK = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _LAUNCH = dict(enable_reflect_ftz=False)  # libdevice without flush-to-zero, as torch's CUDA math
@@ -78,6 +79,12 @@ def _params(table_ptr, row):
     greedy = tl.load(base + _GREEDY) != 0
     k = tl.load(base + _K).to(tl.int64)
     return temp, greedy, k, tl.load(base + _TOP_P), tl.load(base + _MIN_P).to(tl.float32)
+
+
+@triton.jit
+def _word(table_ptr, row, col):
+    """A uint32 word held exactly in the fp64 table."""
+    return tl.load(table_ptr + row * _COLS + col).to(tl.int64).to(tl.uint32)
 
 
 @triton.jit
@@ -143,7 +150,10 @@ def _state(logits_ptr, fpart, ipart, state_ptr, row, B, C, V, stride_l, J, temp,
     return status, a, xa, m, total
 
 
-@triton.jit
+_SIZES = ["B", "C", "V", "stride_l", "stride_v", "J"]  # not specialized: one compile per launch key
+
+
+@triton.jit(do_not_specialize=_SIZES[:5])
 def _draw_kernel(logits_ptr, s_ptr, table_ptr, vals_ptr, fpart, ipart, B, C, V, stride_l,
                  stride_v, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 0, one (row, chunk) per program: s = x + noise into the scratch (rows that need later
@@ -151,8 +161,8 @@ def _draw_kernel(logits_ptr, s_ptr, table_ptr, vals_ptr, fpart, ipart, B, C, V, 
     its share of the top-k mass (top-k rows with top-p)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     temp, greedy, k, top_p, min_p = _params(table_ptr, row)
-    k1 = tl.load(table_ptr + row * _COLS + _KEY1).to(tl.int64).to(tl.uint32)
-    k2 = tl.load(table_ptr + row * _COLS + _KEY2).to(tl.int64).to(tl.uint32)
+    k1, k2 = stream_key(_word(table_ptr, row, _SEED_LO), _word(table_ptr, row, _SEED_HI),
+                        _word(table_ptr, row, _INDEX))
     chained = ~greedy & ((k < V) | (top_p < 1.0) | (min_p > 0.0))
     stored = tl.where(chained, V, 0)  # (a scalar-bool & vector mask trips the interpreter)
     vk = _kth(vals_ptr, stride_v, row, k, V, temp)
@@ -198,7 +208,7 @@ def _top_k_mass(vals_ptr, stride_v, row, chunk, k, V, top_p, temp, CHUNK: tl.con
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _step_kernel(logits_ptr, s_ptr, table_ptr, vals_ptr, fpart, ipart, state_ptr, B, C, V, stride_l,
                  stride_v, J, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr):
     """Pass J >= 1, one (row, chunk) per program, rows still undecided only: count and mass of
@@ -241,7 +251,7 @@ def _step_kernel(logits_ptr, s_ptr, table_ptr, vals_ptr, fpart, ipart, state_ptr
         tl.store(slot + 3, tl.where((J == 1) & (k >= V), total, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "C", "V", "stride_l", "J"])
 def _decide_kernel(logits_ptr, table_ptr, fpart, ipart, state_ptr, out_ptr, B, C, V, stride_l, J,
                    CP: tl.constexpr):
     """One program per row: the first kept candidate; -1 undecided yet, -2 not finite."""
@@ -252,6 +262,9 @@ def _decide_kernel(logits_ptr, table_ptr, fpart, ipart, state_ptr, out_ptr, B, C
     tl.store(out_ptr + row, tl.where(status == _DONE, a, tl.where(status == _UNDECIDED, -1, -2)))
 
 
+_DRAW, _STEP, _DECIDE = Launcher(_draw_kernel), Launcher(_step_kernel), Launcher(_decide_kernel)
+
+
 def chunk_for(batch: int) -> int:
     """Tokens per program: small chunks spread a small batch over the SMs (any size, same bits)."""
     return 2048 if batch <= 4 else 8192
@@ -260,7 +273,8 @@ def chunk_for(batch: int) -> int:
 def draw(logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEPS,
          max_steps: int = MAX_STEPS, chunk: int | None = None, block: int = BLOCK) -> list[int]:
     """logits [B, V] fp32 (unit stride in V), table [B, COLS] fp64 per row (temperature, 1.0 if
-    greedy else 0.0, k (V if top-k is off), top_p, min_p, key words), kmax the largest k < V (0:
+    greedy else 0.0, k (V if top-k is off), top_p, min_p, the seed's low and high 32-bit words, the
+    draw index's low word), kmax the largest k < V (0:
     none) -> a token id per row, or a negative number where the caller must draw the row by the
     sort: -1 after ``max_steps`` rejected candidates, -2 for a row that is not finite (NaN, +inf,
     all -inf). A first round of ``steps`` steps, one host sync; later rounds of MORE_STEPS only
@@ -277,16 +291,16 @@ def draw(logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEP
     state = torch.empty(max_steps + 2, b, 2, dtype=torch.int64, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     shape = (b, c, v, logits.stride(0), vals.stride(0))
-    _draw_kernel[(b, c)](logits, s, table, vals, fpart, ipart, *shape, CHUNK=chunk, BLOCK=block,
-                         **_LAUNCH)
+    key = (logits.dtype, chunk, block, cp, aligned(logits, vals, table))
+    _DRAW(key, (b, c), logits, s, table, vals, fpart, ipart, *shape, chunk, block, **_LAUNCH)
     done, run = 0, min(steps, max_steps)
     while True:
         for j in range(done + 1, done + run + 1):
-            _step_kernel[(b, c)](logits, s, table, vals, fpart, ipart, state, *shape, j,
-                                 CHUNK=chunk, BLOCK=block, CP=cp, **_LAUNCH)
+            _STEP(key, (b, c), logits, s, table, vals, fpart, ipart, state, *shape, j, chunk,
+                  block, cp, **_LAUNCH)
         done += run
-        _decide_kernel[(b,)](logits, table, fpart, ipart, state, out, b, c, v, logits.stride(0),
-                             done + 1, CP=cp, **_LAUNCH)
+        _DECIDE(key, (b,), logits, table, fpart, ipart, state, out, b, c, v, logits.stride(0),
+                done + 1, cp, **_LAUNCH)
         tokens = out.tolist()
         run = min(MORE_STEPS, max_steps - done)
         if run == 0 or -1 not in tokens:
