@@ -56,10 +56,25 @@ def decode_rate(llm: LLM, prompts: list[list[int]], n: int, temperature: float) 
     return len(prompts) * (n - 1) / (best_n - best_1)
 
 
+def _gpu_idle(events) -> dict[str, float]:
+    """GPU idle microseconds between consecutive kernels/copies, by (previous, next) name pair."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:40]) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    idle: dict[str, float] = collections.defaultdict(float)
+    end, prev = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            idle[f"{prev} -> {name}"] += start - end
+        if stop > end:
+            end, prev = stop, name
+    return idle
+
+
 def kernel_profile(llm: LLM, prompts: list[list[int]], temperature: float, steps: int = 16
-                   ) -> list[tuple[str, float, float]]:
-    """(kernel, launches per decode step, GPU us per decode step), largest first."""
-    def run(tokens: int) -> dict[str, list[float]]:
+                   ) -> tuple[list[tuple[str, float, float]], list[tuple[str, float]]]:
+    """(kernel, launches per decode step, GPU us per decode step), largest first; and the GPU's
+    idle us per decode step between kernels, by (previous -> next) kernel, largest first."""
+    def run(tokens: int) -> tuple[dict[str, list[float]], dict[str, float]]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             generate(llm, prompts, tokens, temperature)
             torch.cuda.synchronize()
@@ -68,28 +83,42 @@ def kernel_profile(llm: LLM, prompts: list[list[int]], temperature: float, steps
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 agg[e.name][0] += 1
                 agg[e.name][1] += e.device_time
-        return agg
+        return agg, _gpu_idle(prof.events())
 
-    long, short = run(steps + 1), run(1)
+    (long, long_idle), (short, short_idle) = run(steps + 1), run(1)
     rows = [(name[:70], (c - short.get(name, [0, 0])[0]) / steps,
              (t - short.get(name, [0, 0.0])[1]) / steps) for name, (c, t) in long.items()]
-    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[2])
+    idle = [(k, (v - short_idle.get(k, 0.0)) / steps) for k, v in long_idle.items()]
+    return (sorted((r for r in rows if r[1] > 0), key=lambda r: -r[2]),
+            sorted((r for r in idle if r[1] > 0.5), key=lambda r: -r[1]))
 
 
-def graph_us(llm: LLM, batch: int, context: int, reps: int = 50) -> float:
-    """Microseconds per replay of the decode graph for ``batch`` sequences of ``context`` tokens,
-    replays back to back: the step's forward without the host's work between steps (sampling's
-    kernels, scheduling, bookkeeping)."""
+def graph_us(llm: LLM, batch: int, context: int, reps: int = 50) -> dict[str, float]:
+    """Microseconds of the decode graph for ``batch`` sequences of ``context`` tokens: per replay
+    with replays back to back (the step's forward without the host's work between steps), one
+    replay from an idle device to its end (the launch latency included), and the host's time in
+    the ``replay()`` call."""
     from samebits.engine.cuda_graph import batch_bucket, len_bucket
     graphs = llm.engine.runner.graphs
-    g = graphs.graphs[(batch_bucket(batch), len_bucket(context, graphs.split_size))].graph
-    g.replay()
+    g = graphs.graphs[(batch_bucket(batch), len_bucket(context, graphs.split_size))]
+    g.launch()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        g.replay()
+        g.launch()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
+    back_to_back = (time.perf_counter() - t0) / reps
+    single, host = [], []
+    for _ in range(reps // 5):
+        t0 = time.perf_counter()
+        g.launch()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        single.append(time.perf_counter() - t0)
+        host.append(t1 - t0)
+    return {"graph_replay_us": round(back_to_back * 1e6, 1),
+            "graph_single_replay_us": round(sorted(single)[len(single) // 2] * 1e6, 1),
+            "graph_launch_host_us": round(sorted(host)[len(host) // 2] * 1e6, 1)}
 
 
 def host_gap_us(llm: LLM, prompts: list[list[int]], temperature: float, tokens: int = 65
@@ -161,15 +190,18 @@ def main() -> None:
                       "copy_GB_s": round(bw / 1e9, 1), "weight_GB": round(nbytes / 1e9, 3),
                       "roofline_tok_s": round(roof, 1), "decode_tok_s": round(rate, 1),
                       "ratio_to_roofline": round(rate / roof, 3)}), flush=True)
-    rows = kernel_profile(llm, prompts, args.temperature)
+    rows, idle = kernel_profile(llm, prompts, args.temperature)
     context = args.prompt_len + args.max_tokens // 2
     print(json.dumps({"bench": "decode_profile", "kernels_per_step": round(sum(r[1] for r in rows)),
-                      "gpu_us_per_step": round(sum(r[2] for r in rows), 1),
-                      "graph_replay_us": round(graph_us(llm, args.batch, context), 1),
+                      "gpu_us_per_step": round(sum(r[2] for r in rows), 1)}
+                     | graph_us(llm, args.batch, context) | {
                       "host_gap_us": round(host_gap_us(llm, prompts, args.temperature), 1),
+                      "gpu_idle_us_per_step": round(sum(t for _, t in idle), 1),
                       "wall_us_per_step": round(1e6 * args.batch / rate, 1)}), flush=True)
     for name, count, t in rows[:args.top]:
         print(json.dumps({"kernel": name, "per_step": round(count, 2), "us": round(t, 1)}))
+    for pair, t in idle[:args.top]:
+        print(json.dumps({"gpu_idle": pair, "us_per_step": round(t, 1)}))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def _top_kernels(llm: LLM, prompts: list, max_tokens: int, n: int = 12) -> list:
 
 
 def _replay_ms(llm: LLM) -> dict:
-    """GPU milliseconds of one replay of each captured decode graph (median of 20, events)."""
+    """GPU milliseconds of one replay of each captured decode step (its graphs; median of 20, events)."""
     graphs = llm.engine.runner.graphs
     out = {}
     for key, g in ({} if graphs is None else graphs.graphs).items():
@@ -68,7 +68,7 @@ def _replay_ms(llm: LLM) -> dict:
         for _ in range(20):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            g.graph.replay()
+            g.launch()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))

@@ -4,7 +4,7 @@ graph's own tensors.
 
 An eager decode step launches ~15 kernels per layer, and Triton's launcher costs tens of
 microseconds of host time per launch, so an eager step is bound by the CPU, not the GPU. A replay
-costs one launch.
+costs a graph launch per few layers (``_Captured``), about a microsecond of host time per kernel.
 
 Buckets. A batch of B decode tokens runs in the graph captured for the smallest bucket >= B (1, 2,
 4, 8, then multiples of 8); rows B.. are padding: token 0 at position 0, its KV written to a
@@ -101,11 +101,28 @@ class HostInputs:
         self.copied[i] = (table, len(table or ()))
 
 
+LAYERS_PER_GRAPH = 6  # a decode step is a chain of graphs of this many layers (see _Captured)
+
+
+def layer_pieces(num_layers: int) -> list[range]:
+    """Consecutive layer ranges of at most LAYERS_PER_GRAPH layers covering the model."""
+    return [range(i, min(i + LAYERS_PER_GRAPH, num_layers))
+            for i in range(0, max(num_layers, 1), LAYERS_PER_GRAPH)]
+
+
 class _Captured:
-    """One graph and the tensors it reads and writes."""
+    """One decode step's graphs and the tensors they read and write.
+
+    The step is captured as a chain of graphs, a few layers each (``layer_pieces``), handing
+    (h, residual) over through ``carry`` buffers: launching a graph costs the host about a
+    microsecond per kernel, and the device idles until the launch returns; with pieces, only the
+    first piece's launch is waited for and the others are launched while the device runs. The
+    hand-over copies are exact, so the pieces compute the one-graph forward bit for bit. A model
+    without ``run_layers`` is captured as one graph."""
 
     def __init__(self, model, kv_caches: list, size: int, max_len: int, block_size: int,
-                 split_size: int, scratch_block: int, pool) -> None:
+                 split_size: int, scratch_block: int, pool,
+                 carry: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         dev = kv_caches[0][0].device
         width = -(-max_len // block_size)
         self.size, self.max_len, self.width = size, max_len, width
@@ -125,12 +142,36 @@ class _Captured:
             split_size=split_size)
         # kept alive with the graph: it reads the plan's index tensors on every replay
         self.meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
-        self.graph = torch.cuda.CUDAGraph()
         model(self.input_ids, self.positions, kv_caches, self.meta)  # compiles; writes scratch
         torch.cuda.synchronize(dev)
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)  # [size, H]
-        self.graph.replay()  # the first replay uploads the graph: not in a request's time
+        self.graphs = self._capture(model, kv_caches, pool, carry)
+        self.launch()  # the first replay uploads the graphs: not in a request's time
+
+    def _capture(self, model, kv_caches: list, pool,
+                 carry: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.CUDAGraph]:
+        if carry is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
+            return [graph]
+        pieces, graphs = layer_pieces(len(model.layers)), []
+        carry_h, carry_r = carry[0][:self.size], carry[1][:self.size]
+        for j, layers in enumerate(pieces):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1], pool=pool):
+                h, r = (model.embed(self.input_ids), None) if j == 0 else (carry_h, carry_r)
+                h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
+                if j == len(pieces) - 1:
+                    self.hidden = model.final_norm(h, r)  # [size, H]
+                else:
+                    carry_h.copy_(h)
+                    carry_r.copy_(r)
+        return graphs
+
+    def launch(self) -> None:
+        """Replay the step's graphs, in order, on the current stream."""
+        for graph in self.graphs:
+            graph.replay()
 
     def replay(self, batch: DecodeBatch) -> torch.Tensor:
         dev = to_device(self.host.fill(batch), torch.int64, self.input_ids.device)
@@ -141,7 +182,7 @@ class _Captured:
         self.slots.copy_(dev[2 * s:3 * s])
         self.seq_lens.copy_(dev[3 * s:4 * s])
         self.block_tables.copy_(dev[4 * s:].view(s, self.width))
-        self.graph.replay()
+        self.launch()
         return self.hidden
 
 
@@ -156,6 +197,10 @@ class DecodeGraphs:
         self.block_size, self.split_size, self.scratch_block = block_size, split_size, scratch_block
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.carry = None  # h, residual handed from one piece to the next
+        if hasattr(model, "run_layers"):
+            p, rows = model.embed_tokens, batch_bucket(max_batch)
+            self.carry = (p.new_empty(rows, p.shape[1]), p.new_empty(rows, p.shape[1]))
         self.capture_seconds = self._capture(max_len)
 
     @staticmethod
@@ -180,7 +225,8 @@ class DecodeGraphs:
         keys = [(size, n) for n in lens for size in sizes]  # largest first: the pool is sized once
         for size, n in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
             self.graphs[(size, n)] = _Captured(self.model, self.kv_caches, size, n, self.block_size,
-                                               self.split_size, self.scratch_block, self.pool)
+                                               self.split_size, self.scratch_block, self.pool,
+                                               self.carry)
         seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("captured %d decode CUDA graphs (batch buckets %s, contexts up to %d) in %.1f s, "

@@ -144,11 +144,25 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        h, residual = self.embed(input_ids), None  # [T, H]
+        h, residual = self.run_layers(h, residual, positions, kv_caches, meta,
+                                      range(len(self.layers)))
+        return self.final_norm(h, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                   layers: range) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers ``layers`` of ``forward`` on (h, residual) -- (embeddings, None) before layer 0:
+        consecutive ranges compose to the whole forward, bit for bit (CUDA-graph pieces)."""
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(self.ops, h, residual, cos, sin, kv_cache, meta)
+        for i in layers:
+            h, residual = self.layers[i](self.ops, h, residual, cos, sin, kv_caches[i], meta)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)[0]
