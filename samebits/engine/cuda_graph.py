@@ -101,7 +101,7 @@ class HostInputs:
         self.copied[i] = (table, len(table or ()))
 
 
-LAYERS_PER_GRAPH = 6  # a decode step is a chain of graphs of this many layers (see _Captured)
+LAYERS_PER_GRAPH = 9  # a decode step is a chain of graphs of this many layers (see _Captured)
 
 
 def layer_pieces(num_layers: int) -> list[range]:
