@@ -191,8 +191,8 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     target = out if keep or not split else x.new_empty(segs, m, n, dtype=torch.float32)
     bias = b if b is not None else x
     even, pdl = layout.even(k, cfg.block_k), programmatic(x)
-    prefetch = cfg.prefetch * (pdl and not split and aligned(w) == 1
-                               and (w.stride(0) * w.element_size()) % 16 == 0)
+    rows_aligned = aligned(w) == 1 and (w.stride(0) * w.element_size()) % 16 == 0
+    prefetch = cfg.prefetch if pdl and not split and rows_aligned else 0  # bulk prefetch: 16 B
     key = (x.dtype, w.dtype, target.dtype, b is not None, n, k, x.stride(0), w.stride(0),
            target.stride(-2), layout, split, cfg, even, pdl, prefetch, aligned(x, w, bias, target))
     _LINEAR(key, (tiles, segs if split else 1), x, w, bias, target, m, n, k, x.stride(0),
