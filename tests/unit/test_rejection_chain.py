@@ -136,13 +136,13 @@ def test_chain_walks_past_rejected_candidates_resumes_and_falls_back_when_out_of
     want = sampler.sample_sorted(logits, params, seeds, [0] * 12)
     table, kmax = _table(params, seeds, 0)
     undecided = []
-    for steps in (0, 1, 2, 3, 5):
+    for steps in (0, 1, 2, 5):
         got = chain.draw(logits, table, kmax, steps, steps, **SMALL)
         assert got == _emulated(logits, params, seeds, 0, steps), steps
         assert all(g in (w, -1) for g, w in zip(got, want, strict=True))
         undecided.append(got.count(-1))
     assert undecided[0] == 12  # no step: every filtered row falls back
-    assert undecided[1] > undecided[2] > undecided[4] > 0
+    assert undecided[1] > undecided[2] > undecided[3] > 0
     # later rounds resume from the saved state: the same chain whatever the round boundaries
     assert chain.draw(logits, table, kmax, 1, 11, **SMALL) == _emulated(logits, params, seeds, 0, 11)
     for steps, max_steps in [(0, 0), (1, 1), (1, 11)]:
