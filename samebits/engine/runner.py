@@ -230,33 +230,38 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
         logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
         logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
-        tokens = sampler.sample_tensor(logits, [s.params for s in seqs], [s.seed for s in seqs],
+        pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.output_token_ids) for s in seqs])
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        # token ids < 2**53 and fp32 logprobs are exact in fp64: one transfer carries both
-        ids, values = torch.stack([tokens.double(), chosen.double()]).tolist()
-        result.sampled, result.tokens = seqs, [int(t) for t in ids]
-        result.logprobs = values
+        tokens, values = _read_tokens(pending.tokens, logprobs)
+        if min(tokens, default=0) < 0:  # rows the sampler completes on the host (rare)
+            tokens = pending.complete(tokens)
+            values = _read_tokens(to_device(tokens, torch.int64, self.device), logprobs)[1]
+        result.sampled, result.tokens, result.logprobs = seqs, tokens, values
         result.top_logprobs = [_top(logprobs[i], s.params.logprobs) for i, s in enumerate(seqs)]
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
-        """Logits, logprobs and tokens of every decode batch bucket, and each kind of draw
-        (greedy, temperature, top-k, top-p, min-p) at the smallest and largest, on scratch hidden
-        states: every kernel of the step's tail outside the graphs is compiled and loaded before
+        """Logits, logprobs and greedy tokens of every decode batch bucket from scratch hidden
+        states, and each kind of draw (temperature, top-k, top-p, min-p) at the smallest and
+        largest bucket on peaked random logits (as a model's: the chain decides in its first
+        round): every kernel of the step's tail outside the graphs is compiled and loaded before
         the first request. No state is touched."""
         sizes = sorted({batch_bucket(n) for n in range(1, self.config.max_num_seqs + 1)})
-        kinds = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=20),
-                 SamplingParams(top_p=0.9), SamplingParams(min_p=0.1)]
+        kinds = [SamplingParams(), SamplingParams(top_k=20), SamplingParams(top_p=0.9),
+                 SamplingParams(min_p=0.1)]
+        gen = torch.Generator(device=self.device).manual_seed(0)
         for size in sizes:
             hidden = torch.zeros(size, self.model.cfg.hidden_size, dtype=self.dtype,
                                  device=self.device)
             logits = self.model.compute_logits(hidden)
             logprobs = self.model.ops.log_softmax(logits)
-            for params in kinds if size in (sizes[0], sizes[-1]) else kinds[:1]:
-                tokens = sampler.sample_tensor(logits, [params] * size, [0] * size, [0] * size)
-                torch.stack([tokens.double(), logprobs.gather(1, tokens[:, None])[:, 0].double()]
-                            ).tolist()
+            draws = [SamplingParams(temperature=0.0)]
+            if size in (sizes[0], sizes[-1]):
+                logits = torch.randn(logits.shape, generator=gen, device=self.device) * 4
+                draws += kinds
+            for params in draws:
+                pending = sampler.start_sample(logits, [params] * size, [0] * size, [0] * size)
+                pending.complete(_read_tokens(pending.tokens, logprobs)[0])
 
     def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """Logprob of token p+1 given tokens [0, p], for each scored position p: log_softmax of the
@@ -280,6 +285,14 @@ class ModelRunner:
                     span.top = [_top(r, k) for r in block]
             result.scored.append(span)
             row += count
+
+
+def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Token ids [B] (negative ids read as such) and each row's logprob of its token, in one
+    device-to-host transfer: ids < 2**53 and fp32 logprobs are exact in fp64."""
+    chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    ids, values = torch.stack([tokens.double(), chosen.double()]).tolist()
+    return [int(t) for t in ids], values
 
 
 def _top(row: torch.Tensor, k: int | None) -> dict[int, float]:

@@ -14,6 +14,8 @@ fp32 logits, taken by the runner through the invariant backend before the proces
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -103,18 +105,33 @@ def _gumbel_argmax(x: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor) -> t
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            indices: list[int]) -> list[int]:
     """Processed logits [B, V] fp32 (``apply_logits_processors``) -> one token id per row."""
-    return sample_tensor(logits, params, seeds, indices).tolist()
+    pending = start_sample(logits, params, seeds, indices)
+    return pending.complete(pending.tokens.tolist())
 
 
-def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                  indices: list[int]) -> torch.Tensor:
-    """``sample``'s tokens as an int64 tensor [B] on the logits' device. Greedy rows are queued
-    with no host sync (the caller's one read of the step's results waits for them); on CUDA the
-    filtered draws take the rejection chain (``sample_chained``): the same tokens, no sort."""
+@dataclass
+class PendingSample:
+    """``sample``'s tokens, queued on the device and not yet read: ``tokens`` [B] int64, negative
+    in rows the host must still complete; ``complete(ids)``, given ``tokens`` as the caller read
+    them (with whatever else it reads in the same transfer), returns every row's token."""
+
+    tokens: torch.Tensor
+    complete: Callable[[list[int]], list[int]] = lambda ids: ids
+
+
+def start_sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 indices: list[int]) -> PendingSample:
+    """Queue ``sample`` with no host sync. On CUDA the filtered draws take the rejection chain's
+    first round (``sample_chained``: the same tokens, no sort); rows it leaves undecided are
+    completed on the host (more rounds, then the sort), rarely."""
     if logits.is_cuda and not all(p.greedy for p in params):
-        tokens = sample_chained(logits, params, seeds, indices)
-        return to_device(tokens, torch.int64, logits.device)
-    return _sorted(logits, params, seeds, indices)
+        from samebits.ops.triton import rejection_chain as chain
+        table, kmax = chain_table(params, seeds, indices, logits.shape[-1])
+        run = chain.ChainDraw(logits, to_device(table, torch.float64, logits.device).view(
+            -1, chain.COLS), kmax)
+        return PendingSample(run.out, lambda ids: _fallback(
+            run.finish(ids), logits, params, seeds, indices))
+    return PendingSample(_sorted(logits, params, seeds, indices))
 
 
 def sample_sorted(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
@@ -165,6 +182,12 @@ def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: li
     tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
                         chain.MAX_STEPS if max_steps is None else max_steps, chunk,
                         block or chain.BLOCK)
+    return _fallback(tokens, logits, params, seeds, indices)
+
+
+def _fallback(tokens: list[int], logits: torch.Tensor, params: list[SamplingParams],
+              seeds: list[int], indices: list[int]) -> list[int]:
+    """``tokens`` with the rows the chain left negative drawn by ``sample_sorted``."""
     rest = [i for i, t in enumerate(tokens) if t < 0]
     if rest:
         drawn = sample_sorted(logits[rest], [params[i] for i in rest], [seeds[i] for i in rest],

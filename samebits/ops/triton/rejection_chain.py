@@ -270,38 +270,62 @@ def chunk_for(batch: int) -> int:
     return 2048 if batch <= 4 else 8192
 
 
+class ChainDraw:
+    """The chain over one batch. Construction launches pass 0 and a first round of ``steps``
+    steps with no host sync; ``out`` [B] int64 on the device then holds each row's token, -1 for a
+    row undecided yet, or -2 for a row that is not finite (NaN, +inf, all -inf). ``finish``, given
+    ``out`` as the caller read it, runs later rounds of MORE_STEPS steps while a row is undecided,
+    resuming from the saved state, and returns the tokens: -1 left for rows still undecided after
+    ``max_steps`` steps, which, like -2 rows, the caller draws by the sort.
+
+    logits [B, V] fp32 (unit stride in V), table [B, COLS] fp64 per row (temperature, 1.0 if
+    greedy else 0.0, k (V if top-k is off), top_p, min_p, the seed's low and high 32-bit words, the
+    draw index's low word), kmax the largest k < V (0: none)."""
+
+    def __init__(self, logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEPS,
+                 max_steps: int = MAX_STEPS, chunk: int | None = None, block: int = BLOCK
+                 ) -> None:
+        b, v = logits.shape
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        chunk = chunk or chunk_for(b)
+        c = triton.cdiv(v, chunk)
+        cp = triton.next_power_of_2(c)
+        vals = torch.topk(logits, kmax, dim=-1).values if kmax else logits
+        dev = logits.device
+        s = torch.empty(b, v, dtype=torch.float32, device=dev)
+        fpart = torch.empty(max_steps + 2, b, c, dtype=torch.float32, device=dev)
+        ipart = torch.empty(max_steps + 1, b, c, 4, dtype=torch.int64, device=dev)
+        self.state = torch.empty(max_steps + 2, b, 2, dtype=torch.int64, device=dev)
+        self.out = torch.empty(b, dtype=torch.int64, device=dev)
+        self.args = (logits, s, table, vals, fpart, ipart)
+        self.shape = (b, c, v, logits.stride(0), vals.stride(0))
+        self.key = (logits.dtype, chunk, block, cp, aligned(logits, vals, table))
+        self.consts, self.max_steps, self.done = (chunk, block, cp), max_steps, 0
+        _DRAW(self.key, (b, c), *self.args, *self.shape, chunk, block, **_LAUNCH)
+        self._round(min(steps, max_steps))
+
+    def _round(self, run: int) -> None:
+        logits, _, table, _, fpart, ipart = self.args
+        b, c, v, stride_l, _ = self.shape
+        chunk, block, cp = self.consts
+        for j in range(self.done + 1, self.done + run + 1):
+            _STEP(self.key, (b, c), *self.args, self.state, *self.shape, j, chunk, block, cp,
+                  **_LAUNCH)
+        self.done += run
+        _DECIDE(self.key, (b,), logits, table, fpart, ipart, self.state, self.out, b, c, v,
+                stride_l, self.done + 1, cp, **_LAUNCH)
+
+    def finish(self, tokens: list[int]) -> list[int]:
+        """``tokens``: ``out`` read by the caller."""
+        while -1 in tokens and self.done < self.max_steps:
+            self._round(min(MORE_STEPS, self.max_steps - self.done))
+            tokens = self.out.tolist()
+        return tokens
+
+
 def draw(logits: torch.Tensor, table: torch.Tensor, kmax: int, steps: int = STEPS,
          max_steps: int = MAX_STEPS, chunk: int | None = None, block: int = BLOCK) -> list[int]:
-    """logits [B, V] fp32 (unit stride in V), table [B, COLS] fp64 per row (temperature, 1.0 if
-    greedy else 0.0, k (V if top-k is off), top_p, min_p, the seed's low and high 32-bit words, the
-    draw index's low word), kmax the largest k < V (0:
-    none) -> a token id per row, or a negative number where the caller must draw the row by the
-    sort: -1 after ``max_steps`` rejected candidates, -2 for a row that is not finite (NaN, +inf,
-    all -inf). A first round of ``steps`` steps, one host sync; later rounds of MORE_STEPS only
-    while a row is undecided, resuming from the saved state."""
-    b, v = logits.shape
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    chunk = chunk or chunk_for(b)
-    c = triton.cdiv(v, chunk)
-    cp = triton.next_power_of_2(c)
-    vals = torch.topk(logits, kmax, dim=-1).values if kmax else logits
-    s = torch.empty(b, v, dtype=torch.float32, device=logits.device)
-    fpart = torch.empty(max_steps + 2, b, c, dtype=torch.float32, device=logits.device)
-    ipart = torch.empty(max_steps + 1, b, c, 4, dtype=torch.int64, device=logits.device)
-    state = torch.empty(max_steps + 2, b, 2, dtype=torch.int64, device=logits.device)
-    out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    shape = (b, c, v, logits.stride(0), vals.stride(0))
-    key = (logits.dtype, chunk, block, cp, aligned(logits, vals, table))
-    _DRAW(key, (b, c), logits, s, table, vals, fpart, ipart, *shape, chunk, block, **_LAUNCH)
-    done, run = 0, min(steps, max_steps)
-    while True:
-        for j in range(done + 1, done + run + 1):
-            _STEP(key, (b, c), logits, s, table, vals, fpart, ipart, state, *shape, j, chunk,
-                  block, cp, **_LAUNCH)
-        done += run
-        _DECIDE(key, (b,), logits, table, fpart, ipart, state, out, b, c, v, logits.stride(0),
-                done + 1, cp, **_LAUNCH)
-        tokens = out.tolist()
-        run = min(MORE_STEPS, max_steps - done)
-        if run == 0 or -1 not in tokens:
-            return tokens
+    """``ChainDraw``'s tokens, read at once: a token id per row, or a negative number where the
+    caller must draw the row by the sort."""
+    chain = ChainDraw(logits, table, kmax, steps, max_steps, chunk, block)
+    return chain.finish(chain.out.tolist())
