@@ -223,8 +223,8 @@ class ModelRunner:
     def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
                 result: StepResult) -> None:
         """Logits, logprobs and tokens of the sampled rows, queued behind the forward; the host
-        waits once, for tokens and chosen logprobs together (on CUDA the filtered draws wait once
-        more, inside the sampler)."""
+        waits once, for tokens and chosen logprobs together (again only for rows a rejection
+        chain left undecided)."""
         if sample_rows != list(range(hidden.shape[0])):
             hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
@@ -257,7 +257,9 @@ class ModelRunner:
             logprobs = self.model.ops.log_softmax(logits)
             draws = [SamplingParams(temperature=0.0)]
             if size in (sizes[0], sizes[-1]):
-                logits = torch.randn(logits.shape, generator=gen, device=self.device) * 4
+                shape = logits.shape
+                del logits  # the peak stays at two [B, V] fp32 tensors
+                logits = torch.randn(shape, generator=gen, device=self.device).mul_(4)
                 draws += kinds
             for params in draws:
                 pending = sampler.start_sample(logits, [params] * size, [0] * size, [0] * size)
