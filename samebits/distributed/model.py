@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from samebits.config import ModelConfig
 from samebits.distributed.group import TPGroup
 from samebits.distributed.segments import Segments
-from samebits.models.llama import LlamaForCausalLM
+from samebits.models.llama import LlamaForCausalLM, add_norm
 from samebits.ops.backend import AttentionMetadata
 
 GroupCache = list[tuple[torch.Tensor, torch.Tensor]]  # per owned KV group: (k, v) [B, bs, 1, D]
@@ -121,18 +121,11 @@ class TPModel:
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
         residual = None  # the stream h is added to by the next norm (llama.DecoderLayer)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x, residual = self._norm(h, layer.input_norm, residual)
+            x, residual = add_norm(self.ops, h, layer.input_norm, self.eps, residual)
             a = self._attention(layer, x, cos, sin, cache, meta)
-            x, residual = self._norm(a, layer.post_norm, residual)
+            x, residual = add_norm(self.ops, a, layer.post_norm, self.eps, residual)
             h = self._mlp(layer, x)
-        return self._norm(h, self.norm, residual)[0]
-
-    def _norm(self, h: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(h + residual), h + residual); the first norm has no residual yet."""
-        if residual is None:
-            return self.ops.rms_norm(h, w, self.eps), h
-        return self.ops.rms_norm(h, w, self.eps, residual)
+        return add_norm(self.ops, h, self.norm, self.eps, residual)[0]
 
     __call__ = forward
 

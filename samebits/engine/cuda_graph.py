@@ -38,6 +38,11 @@ def batch_bucket(n: int) -> int:
     return -(-n // 8) * 8
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """Every batch bucket a step of up to ``max_batch`` sequences can use, ascending."""
+    return sorted({batch_bucket(n) for n in range(1, max_batch + 1)})
+
+
 def len_bucket(max_len: int, split_size: int) -> int:
     """Keys the graph is captured for: a power-of-two number of splits covering ``max_len``."""
     splits = -(-max_len // split_size)
@@ -206,7 +211,7 @@ class DecodeGraphs:
     @staticmethod
     def buckets(max_batch: int, max_len: int, split_size: int) -> tuple[list[int], list[int]]:
         """(batch buckets, length buckets), largest first: the graphs a decode step can need."""
-        sizes = sorted({batch_bucket(n) for n in range(1, max_batch + 1)}, reverse=True)
+        sizes = batch_buckets(max_batch)[::-1]
         lens, top = [], len_bucket(max_len, split_size)
         while top >= split_size:
             lens.append(top)

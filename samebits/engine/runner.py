@@ -9,7 +9,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine import sampler
-from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket
+from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket, batch_buckets
 from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
 from samebits.engine.scheduler import ScheduledBatch
@@ -105,7 +105,7 @@ class ModelRunner:
             return prefill
         n = min(batch_bucket(cfg.max_num_seqs), t)
         decode = self._peak(lambda: self._scratch_decode(caches, n))
-        outputs = DecodeGraphs.count(cfg.max_num_seqs, self._graph_len(), cfg.attention_split_size) \
+        outputs = DecodeGraphs.count(cfg.max_num_seqs, self.max_model_len, cfg.attention_split_size) \
             * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
         return prefill + decode + outputs
 
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def _scratch_decode(self, caches: list, n: int) -> None:
         """One eager decode step of ``n`` sequences planned as the widest graph is."""
-        dev, max_len = self.device, self._graph_len()
+        dev, max_len = self.device, self.max_model_len
         width = -(-max_len // self.block_size)
         meta = AttentionMetadata(
             block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
@@ -145,9 +145,6 @@ class ModelRunner:
         meta = self.model.ops.plan_decode(meta, pos, max_len)
         hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), pos.long(), caches, meta)
         self.model.ops.log_softmax(self.model.compute_logits(hidden))
-
-    def _graph_len(self) -> int:
-        return self.max_model_len
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
@@ -246,7 +243,7 @@ class ModelRunner:
         largest bucket on peaked random logits (as a model's: the chain decides in its first
         round): every kernel of the step's tail outside the graphs is compiled and loaded before
         the first request. No state is touched."""
-        sizes = sorted({batch_bucket(n) for n in range(1, self.config.max_num_seqs + 1)})
+        sizes = batch_buckets(self.config.max_num_seqs)
         kinds = [SamplingParams(), SamplingParams(top_k=20), SamplingParams(top_p=0.9),
                  SamplingParams(min_p=0.1)]
         gen = torch.Generator(device=self.device).manual_seed(0)

@@ -125,10 +125,7 @@ def start_sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     first round (``sample_chained``: the same tokens, no sort); rows it leaves undecided are
     completed on the host (more rounds, then the sort), rarely."""
     if logits.is_cuda and not all(p.greedy for p in params):
-        from samebits.ops.triton import rejection_chain as chain
-        table, kmax = chain_table(params, seeds, indices, logits.shape[-1])
-        run = chain.ChainDraw(logits, to_device(table, torch.float64, logits.device).view(
-            -1, chain.COLS), kmax)
+        run = _chain(logits, params, seeds, indices)
         return PendingSample(run.out, lambda ids: _fallback(
             run.finish(ids), logits, params, seeds, indices))
     return PendingSample(_sorted(logits, params, seeds, indices))
@@ -176,13 +173,21 @@ def sample_chained(logits: torch.Tensor, params: list[SamplingParams], seeds: li
     only while a row is undecided); rows the chain leaves undecided after ``max_steps`` steps, or
     not finite, are drawn by ``sample_sorted``. ``steps``, ``max_steps``, ``chunk`` and ``block``
     change the cost, never a token."""
+    run = _chain(logits, params, seeds, indices, steps, max_steps, chunk, block)
+    return _fallback(run.finish(run.out.tolist()), logits, params, seeds, indices)
+
+
+def _chain(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           indices: list[int], steps: int | None = None, max_steps: int | None = None,
+           chunk: int | None = None, block: int | None = None):
+    """The rejection chain's first round over these rows, queued (``rejection_chain.ChainDraw``;
+    None: the chain's defaults)."""
     from samebits.ops.triton import rejection_chain as chain
     table, kmax = chain_table(params, seeds, indices, logits.shape[-1])
     table = to_device(table, torch.float64, logits.device).view(-1, chain.COLS)
-    tokens = chain.draw(logits, table, kmax, chain.STEPS if steps is None else steps,
-                        chain.MAX_STEPS if max_steps is None else max_steps, chunk,
-                        block or chain.BLOCK)
-    return _fallback(tokens, logits, params, seeds, indices)
+    return chain.ChainDraw(logits, table, kmax, chain.STEPS if steps is None else steps,
+                           chain.MAX_STEPS if max_steps is None else max_steps, chunk,
+                           block or chain.BLOCK)
 
 
 def _fallback(tokens: list[int], logits: torch.Tensor, params: list[SamplingParams],

@@ -101,6 +101,15 @@ class MLP(nn.Module):
         return ops.linear(act, self.down_proj, self.down_bias, k_bounds=bounds)
 
 
+def add_norm(ops: OpBackend, h: torch.Tensor, w: torch.Tensor, eps: float,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's norm: (rms_norm(h + residual), h + residual), the add fused into
+    the norm; before the first layer there is no stream yet: (rms_norm(h), h)."""
+    if residual is None:
+        return ops.rms_norm(h, w, eps), h
+    return ops.rms_norm(h, w, eps, residual)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -117,10 +126,7 @@ class DecoderLayer(nn.Module):
         first layer); residual: the stream h is to be added to. Returns (this layer's MLP
         output, the stream before it). Each add is fused into the norm that follows it: the bits
         of ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
-        if residual is None:
-            x, residual = ops.rms_norm(h, self.input_layernorm, self.eps), h
-        else:
-            x, residual = ops.rms_norm(h, self.input_layernorm, self.eps, residual)
+        x, residual = add_norm(ops, h, self.input_layernorm, self.eps, residual)
         a = self.self_attn(ops, x, cos, sin, kv_cache, meta)
         x, residual = ops.rms_norm(a, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(ops, x), residual
@@ -163,9 +169,7 @@ class LlamaForCausalLM(nn.Module):
         return h, residual
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if residual is None:  # no layers
-            return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)[0]
+        return add_norm(self.ops, h, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""

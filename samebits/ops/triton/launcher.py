@@ -12,9 +12,8 @@ It never changes what runs: a key maps to the very compiled kernel ``kernel[grid
 first time, and the key must separate every argument Triton specializes on (ints that are not
 ``do_not_specialize``, pointer alignment) -- ``aligned`` computes the pointer part. Like
 ``kernel[grid]``, it launches on the current device and stream (compiled handles are kept per
-device). Under the
-interpreter (``TRITON_INTERPRET=1``) there is no compiled handle and every call goes through
-``kernel[grid]``.
+device). Under the interpreter (``TRITON_INTERPRET=1``) there is no compiled handle and every call
+goes through ``kernel[grid]``.
 """
 
 from __future__ import annotations
