@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py            # linear at Qwen3-8B shapes, M <= 128; rms_norm
     python benchmarks/host_overhead.py --cprofile # where the host time of one op goes
+    python benchmarks/host_overhead.py --breakdown # host time of each layer of one call
 
 ``wall_us``: microseconds per call of N back-to-back eager calls followed by one synchronize (what
 an eager caller -- override mode, prefill, the trainer -- pays per op; the larger of host and GPU
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import samebits.ops as ops
+from samebits.ops.triton.launcher import _host_args
 
 LINEAR = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
 MS = [1, 16, 64, 128]
@@ -100,10 +102,118 @@ def cprofile(n: int = 2000) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def host_only_us(fn, n: int = 200) -> float:
+    """Host microseconds per call: ``n`` calls timed before a synchronize (n stays below the
+    launch queue's depth, so the host never waits for the device), best of 5."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+def _last_launch(launcher, fn):
+    """The (compiled, grid, args) of ``fn``'s launch through ``launcher``."""
+    seen = {}
+    real = launcher.__class__.__call__
+
+    def spy(self, key, grid, *args, **options):
+        if self is launcher:
+            seen["call"] = (key, grid, args, options)
+        return real(self, key, grid, *args, **options)
+
+    launcher.__class__.__call__ = spy
+    try:
+        fn()
+        fn()
+    finally:
+        launcher.__class__.__call__ = real
+    key, grid, args, options = seen["call"]
+    device = torch.cuda.current_device()
+    return launcher.compiled[(device, key)], key, grid, args, options
+
+
+def _layers(launcher, op, stock, alloc) -> dict:
+    """Host us per call of ``stock``, ``alloc``, ``op`` and of ``op``'s last launch replayed
+    through the Launcher and through compiled.run (fixed arguments)."""
+    compiled, key, grid, args, opts = _last_launch(launcher, op)
+    stream = torch.cuda.current_stream().cuda_stream
+    device = torch.cuda.current_device()
+    bound = launcher._launch[(device, key)]
+    host_args = _host_args(args)  # compiled.run takes Triton's descriptors
+    cases = {"stock": stock, "alloc": alloc, "whole_op": op,
+             "Launcher": lambda: launcher(key, grid, *args, **opts),
+             "bound": lambda: bound(grid, stream, args),
+             "compiled.run": lambda: compiled.run(
+                 grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None,
+                 None, *host_args),
+             "device+stream": lambda: (torch.cuda.is_initialized(), torch._C._cuda_getCurrentRawStream(
+                 torch._C._cuda_getDevice()))}
+    return {k: round(host_only_us(f), 2) for k, f in cases.items()}
+
+
+def _linear_layers(m: int, n: int) -> dict:
+    from samebits.ops.triton import linear as tl_linear
+    x = torch.randn(m, 4096, device="cuda").bfloat16()
+    w = torch.randn(n, 4096, device="cuda").bfloat16()
+    tma = tl_linear.pick_config(m, n, 4096, x.dtype).tma
+    return _layers(tl_linear._TMA if tma else tl_linear._LINEAR, lambda: ops.linear(x, w),
+                   lambda: F.linear(x, w),
+                   lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16))
+
+
+def _norm_layers(m: int) -> dict:
+    from samebits.ops.triton import rms_norm as tl_norm
+    x = torch.randn(m, 4096, device="cuda").bfloat16()
+    wn = torch.randn(4096, device="cuda").bfloat16()
+    return _layers(tl_norm._RMS_NORM, lambda: ops.rms_norm(x, wn, 1e-6),
+                   lambda: F.rms_norm(x, (4096,), wn, 1e-6), lambda: torch.empty_like(x))
+
+
+def breakdown() -> None:
+    """Host us per call of each layer of one op (JSON lines): stock op, allocation, the whole
+    op, its Launcher, compiled.run."""
+    for m, n in ((1, 4096), (16, 4096), (128, 4096), (16, 24576)):
+        print(json.dumps({"op": "linear", "M": m, "N": n, **_linear_layers(m, n)}), flush=True)
+    for m in (1, 128):
+        print(json.dumps({"op": "rms_norm", "M": m, **_norm_layers(m)}), flush=True)
+    for n in (4096, 6144, 24576):
+        print(json.dumps({"op": "linear_tiles", "M": 128, "N": n, **_tile_gpu_us(128, n)}),
+              flush=True)
+
+
+def _tile_gpu_us(m: int, n: int, k: int = 4096) -> dict:
+    """GPU us (graph replays) of the M-row product with the TMA tile and pointer-kernel tiles."""
+    from samebits.ops.triton import linear as tl_linear
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    tiles = {"picked": tl_linear.pick_config(m, n, k, x.dtype),
+             "ptr_64x64x128": tl_linear.GemmConfig(64, 64, 128, 4, 4),
+             "ptr_64x128x64": tl_linear.GemmConfig(64, 128, 64, 4, 4),
+             "ptr_128x64x64": tl_linear.GemmConfig(128, 64, 64, 4, 4),
+             "ptr_128x128x64": tl_linear.GemmConfig(128, 128, 64, 8, 3)}
+    row = {}
+    for name, cfg in tiles.items():
+        row[name] = round(gpu_us(lambda cfg=cfg: tl_linear.run(x, w, None, out, cfg, 1)), 2)
+    row["stock"] = round(gpu_us(lambda: F.linear(x, w)), 2)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cprofile", action="store_true")
+    p.add_argument("--breakdown", action="store_true")
     args = p.parse_args()
+    if args.breakdown:
+        breakdown()
+        return
     if args.cprofile:
         cprofile()
         return

@@ -17,8 +17,11 @@ against the eager engine bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,7 +150,8 @@ class _Captured:
             split_size=split_size)
         # kept alive with the graph: it reads the plan's index tensors on every replay
         self.meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
-        model(self.input_ids, self.positions, kv_caches, self.meta)  # compiles; writes scratch
+        with model.ops.as_captured():  # compiles what the capture launches; writes scratch
+            model(self.input_ids, self.positions, kv_caches, self.meta)
         torch.cuda.synchronize(dev)
         self.graphs = self._capture(model, kv_caches, pool, carry)
         self.launch()  # the first replay uploads the graphs: not in a request's time
@@ -156,14 +160,14 @@ class _Captured:
                  carry: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.CUDAGraph]:
         if carry is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with _capture_into(graph, pool):
                 self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
             return [graph]
         pieces, graphs = layer_pieces(len(model.layers)), []
         carry_h, carry_r = carry[0][:self.size], carry[1][:self.size]
         for j, layers in enumerate(pieces):
             graphs.append(torch.cuda.CUDAGraph())
-            with torch.cuda.graph(graphs[-1], pool=pool):
+            with _capture_into(graphs[-1], pool):
                 h, r = (model.embed(self.input_ids), None) if j == 0 else (carry_h, carry_r)
                 h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
                 if j == len(pieces) - 1:
@@ -189,6 +193,20 @@ class _Captured:
         self.block_tables.copy_(dev[4 * s:].view(s, self.width))
         self.launch()
         return self.hidden
+
+
+@contextlib.contextmanager
+def _capture_into(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """``torch.cuda.graph`` with the garbage collector paused: a collection mid-capture runs
+    finalizers whose CUDA calls (freeing events, pinned buffers) can invalidate the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:

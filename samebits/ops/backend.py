@@ -25,6 +25,7 @@ ignore it in ``linear`` (stock ``F.linear``: the negative control, not TP-invari
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,6 +137,11 @@ class GraphableBackend(OpBackend, Protocol):
         """The plan of a pure-decode batch (sequence i's one query at ``positions[i]``, none past
         ``max_len`` keys) built over tensors the caller owns and refills between replays: no
         host-side value of the batch is baked into the launches."""
+        ...
+
+    def as_captured(self) -> AbstractContextManager[None]:
+        """Eager ops inside launch the very kernels a graph capture launches: the warm-up run
+        before a capture compiles and loads them all, so none is compiled while capturing."""
         ...
 
 

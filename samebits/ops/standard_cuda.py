@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from samebits.ops.backend import AttentionMetadata, register
 from samebits.ops.standard import StandardBackend
 from samebits.ops.triton import attention as paged
+from samebits.ops.triton import launcher
 
 MIN_SPLIT = 256  # keys; the smallest split the batch-driven choice may pick
 
@@ -73,6 +75,11 @@ class StandardCudaBackend(StandardBackend):
         split = decode_split_size(positions.shape[0], max_len, _num_sms(positions.device))
         plan = paged.plan_decode(meta, positions, -(-max_len // split), split)
         return dataclasses.replace(meta, plan=plan)
+
+    def as_captured(self) -> AbstractContextManager[None]:
+        """The paged attention's Triton kernels as in a capture (stock ops launch the same way
+        in and out of one)."""
+        return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -24,11 +24,12 @@ from samebits.ops.triton.rms_norm import add_rms_norm  # noqa: E402
 H, INTER, LAYERS = 1024, 2816, 24
 
 
-def _weights():
+def _weights(h: int = H, inter: int = INTER, layers: int = LAYERS,
+             dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(0)
     def rand(*shape):
-        return (torch.randn(*shape, device="cuda", generator=g) * 0.05).bfloat16()
-    return [(rand(H) + 1, rand(2 * INTER, H), rand(H, INTER)) for _ in range(LAYERS)]
+        return (torch.randn(*shape, device="cuda", generator=g) * 0.05).to(dtype)
+    return [(rand(h) + 1, rand(2 * inter, h), rand(h, inter)) for _ in range(layers)]
 
 
 def _chain(x: torch.Tensor, weights) -> torch.Tensor:
@@ -36,7 +37,8 @@ def _chain(x: torch.Tensor, weights) -> torch.Tensor:
     for norm, up, down in weights:
         h, residual = add_rms_norm(x, residual, norm, 1e-6)
         gate_up = linear(h, up)
-        x = linear(silu_mul(gate_up[:, :INTER], gate_up[:, INTER:]), down)
+        inter = down.shape[1]
+        x = linear(silu_mul(gate_up[:, :inter], gate_up[:, inter:]), down)
     return x + residual
 
 
@@ -58,3 +60,35 @@ def test_pdl_chain_in_a_graph_equals_the_chain_in_stream_order(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+def test_warm_up_as_captured_leaves_nothing_to_compile_in_the_capture():
+    """The engine warms up under ``as_captured`` before each capture: the capture's kernel
+    variants (PDL on) are then compiled already. In fp16, a dtype no other GPU test's captures
+    use, so no earlier test compiled these variants (Triton specializes on dtypes and on the
+    divisibility of sizes, not on their values)."""
+    if not launcher._programmatic_device(torch.cuda.current_device()):
+        pytest.skip("no programmatic dependent launch on this device / Triton")
+    runtime = launcher.knobs.runtime
+    if not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook")
+    weights = _weights(768, 2048, 2, torch.float16)
+    x = torch.randn(3, 768, device="cuda").half()
+    _chain(x, weights)  # plain eager variants
+    compiled, old = [], runtime.jit_post_compile_hook
+    runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        with launcher.as_captured():
+            want = _chain(x, weights)
+        torch.cuda.synchronize()
+        warmed = len(compiled)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(x, weights)
+    finally:
+        runtime.jit_post_compile_hook = old
+    assert warmed > 0  # negative control: the captured variants are not the plain eager ones
+    assert compiled[warmed:] == []
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from samebits.ops.backend import AttentionMetadata, KBounds, register
 from samebits.ops.rope import qkv_rope_store as composed_prologue
-from samebits.ops.triton import activation, attention, linear, rms_norm, rope, softmax
+from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
 
 # The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
 # splits and key blocks); launch tuning that cannot change the bits lives in them too, so the
@@ -95,6 +96,10 @@ class TritonBackend:
         """Pure-decode plan over caller-owned tensors (CUDA graphs); the split size stays fixed."""
         plan = attention.plan_decode(meta, positions, -(-max_len // meta.split_size))
         return dataclasses.replace(meta, plan=plan)
+
+    def as_captured(self) -> AbstractContextManager[None]:
+        """Programmatic dependent launch on, as in a capture (launcher.py)."""
+        return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

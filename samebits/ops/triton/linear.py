@@ -30,11 +30,10 @@ import functools
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from samebits.ops.backend import KBounds, check_k_bounds
 from samebits.ops.triton import linear_kernels as K
-from samebits.ops.triton.launcher import Launcher, aligned, programmatic
+from samebits.ops.triton.launcher import Descriptor, Launcher, aligned, programmatic
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
 SPLIT_MAX_M = 64  # at or below this many rows, segments run as separate programs (split-K)
@@ -140,14 +139,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            k_bounds: KBounds | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K].T (+ b) -> [..., N]; see the module docstring for the contract."""
     k, n = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, k)
     m = x2.shape[0]
-    out = x.new_empty(m, n)
+    out = x2.new_empty(m, n)
     if k_bounds is None:
-        cfg = pick_config(m, n, k, x.dtype)
         if m and n:
-            run(x2, w, b, out, cfg, num_segments(k, n))
-        return out.reshape(*x.shape[:-1], n)
+            run(x2, w, b, out)
+        return out if flat else out.reshape(*x.shape[:-1], n)
     segments = SegmentLayout.from_bounds(k_bounds, k)
     cfg = pick_config(m, n, k, x.dtype)
     if m > SPLIT_MAX_M and x.dtype != torch.float32:
@@ -174,39 +173,104 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
 
 
 def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        cfg: GemmConfig, segments: int | SegmentLayout, split: bool | None = None) -> None:
+        cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None,
+        split: bool | None = None) -> None:
     """Launch with an explicit tile config and segments (a count of uniform segments, or a
-    layout); benchmarks sweep these. ``out`` [S, M, N] fp32 with ``split=True`` and no bias:
-    the partials are left unsummed there."""
+    layout; by default ``pick_config`` and ``num_segments``); benchmarks sweep these. ``out``
+    [S, M, N] fp32 with ``split=True`` and no bias: the partials are left unsummed there."""
     m, k = x.shape
     n = w.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
+    contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
+    if not contiguous:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        w = w if w.stride(-1) == 1 else w.contiguous()
+        contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
+    bias = b if b is not None else x
+    p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3, b is not None, x.stride(0),
+              w.stride(0), out.stride(-2), cfg, segments, split, programmatic(x),
+              aligned(x, w, bias, out), contiguous)
+    if p.tma:
+        (bm, bk), (bn, _) = p.blocks
+        _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
+             Descriptor(out, (bm, bn)), bias, *p.tail, **p.options)
+        return
+    target = out if p.partials == 0 else x.new_empty(p.partials, m, n, dtype=torch.float32)
+    _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
+    if p.partials:
+        _SUM_PARTIALS(p.sum_key, p.sum_grid, target, bias, out, *p.sum_tail, **p.sum_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One product's launches, everything but the tensors: the launch key, grid, the arguments
+    after the tensors and the launch options of the GEMM kernel (TMA or pointer), and for the
+    split schedule the partial count and the sum kernel's launch."""
+
+    tma: bool
+    key: int
+    grid: tuple[int, ...]
+    tail: tuple
+    options: dict
+    blocks: tuple[tuple[int, int], ...] = ()  # TMA: (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K)
+    partials: int = 0
+    sum_key: int = 0
+    sum_grid: tuple[int, ...] = ()
+    sum_tail: tuple = ()
+    sum_options: dict = dataclasses.field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+          out_dtype: torch.dtype, keep: bool, has_bias: bool, stride_x: int, stride_w: int,
+          stride_o: int, cfg: GemmConfig | None, segments: int | SegmentLayout | None,
+          split: bool | None, pdl: bool, align: int, contiguous: bool) -> _Plan:
+    """The launches of ``run`` for these shapes, strides, dtypes, pointer alignments (bits of
+    x, w, bias, out) and contiguity; ``keep``: ``out`` is [S, M, N] and receives the partials."""
+    cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
+    segments = num_segments(k, n) if segments is None else segments
     layout = _uniform(k, segments) if isinstance(segments, int) else segments
-    segs, keep = layout.count, out.dim() == 3  # keep: the caller wants the partials themselves
-    if cfg.tma and segs == 1 and not keep and _tma_ok(x, w, out):
-        return _run_tma(x, w, b, out, cfg)
+    segs = layout.count
+    if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
+                                                      contiguous):
+        return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, has_bias, cfg, pdl, align)
     split = keep or (segs > 1 and (m <= SPLIT_MAX_M if split is None else split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    target = out if keep or not split else x.new_empty(segs, m, n, dtype=torch.float32)
-    bias = b if b is not None else x
-    even, pdl = layout.even(k, cfg.block_k), programmatic(x)
-    rows_aligned = aligned(w) == 1 and (w.stride(0) * w.element_size()) % 16 == 0
+    even = layout.even(k, cfg.block_k)
+    rows_aligned = bool(align & 2) and (stride_w * w_dtype.itemsize) % 16 == 0
     prefetch = cfg.prefetch if pdl and not split and rows_aligned else 0  # bulk prefetch: 16 B
-    key = (x.dtype, w.dtype, target.dtype, b is not None, n, k, x.stride(0), w.stride(0),
-           target.stride(-2), layout, split, cfg, even, pdl, prefetch, aligned(x, w, bias, target))
-    _LINEAR(key, (tiles, segs if split else 1), x, w, bias, target, m, n, k, x.stride(0),
-            w.stride(0), target.stride(-2), m * n, layout.base, layout.extra, segs, split,
-            segs > 1, b is not None and not split, cfg.block_m, cfg.block_n, cfg.block_k,
-            cfg.group_m, even, "ieee" if x.dtype == torch.float32 else "tf32", pdl,
-            prefetch, cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            launch_pdl=pdl)
-    if split and not keep:
-        block = 1024
-        _SUM_PARTIALS((target.dtype, out.dtype, b is not None, segs, pdl,
-                       aligned(target, bias, out)),
-                      (triton.cdiv(m * n, block),), target, bias, out, m * n, n, segs,
-                      b is not None, block, pdl, num_warps=4, launch_pdl=pdl)
+    fresh = split and not keep  # the partials go to a new [S, M, N] fp32 buffer
+    t_dtype, t_stride = (torch.float32, n) if fresh else (out_dtype, stride_o)
+    t_align = align | 8 if fresh else align
+    key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, has_bias, n, k, stride_x, stride_w,
+                          t_stride, layout, split, cfg, even, pdl, prefetch, t_align))
+    tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, segs, split,
+            segs > 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+            even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
+            cfg.num_warps * 32)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+    plan = _Plan(False, key, (tiles, segs if split else 1), tail, options)
+    if not fresh:
+        return plan
+    block = 1024
+    return dataclasses.replace(
+        plan, partials=segs,
+        sum_key=_SUM_PARTIALS.intern((out_dtype, has_bias, segs, pdl, align >> 2)),  # bias, out
+        sum_grid=(triton.cdiv(m * n, block),), sum_tail=(m * n, n, segs, has_bias, block, pdl),
+        sum_options=dict(num_warps=4, launch_pdl=pdl))
+
+
+def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+              out_dtype: torch.dtype, has_bias: bool, cfg: GemmConfig, pdl: bool, align: int
+              ) -> _Plan:
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, _num_sms(torch.cuda.current_device()) if torch.cuda.is_initialized()
+                   else 4)
+    key = _TMA.intern((x_dtype, w_dtype, out_dtype, has_bias, n, k, cfg, programs, pdl,
+                       bool(align & 4)))
+    tail = (m, n, k, has_bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, pdl)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
+    return _Plan(True, key, (programs,), tail, options, blocks)
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,28 +283,16 @@ _SUM_PARTIALS = Launcher(K._sum_partials_kernel)
 _TMA = Launcher(K._linear_tma_kernel)
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
-    return all(t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
-               and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
-               for t in ts)
+def _tma_ok(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype, k: int, n: int,
+            align: int, contiguous: bool) -> bool:
+    """TMA needs 16-bit, contiguous, 16-byte aligned x, w and out (alignment bits 0, 1, 3) whose
+    rows are whole multiples of 16 bytes."""
+    sixteen = (torch.bfloat16, torch.float16)
+    return (x_dtype in sixteen and w_dtype in sixteen and out_dtype in sixteen and contiguous
+            and align & 0b1011 == 0b1011 and (k * x_dtype.itemsize) % 16 == 0
+            and (k * w_dtype.itemsize) % 16 == 0 and (n * out_dtype.itemsize) % 16 == 0)
 
 
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _run_tma(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-             cfg: GemmConfig) -> None:
-    m, k = x.shape
-    n = w.shape[0]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    programs = min(tiles, sms)
-    bias, pdl = b if b is not None else x, programmatic(x)
-    key = (x.dtype, w.dtype, out.dtype, b is not None, n, k, cfg, programs, pdl, aligned(bias))
-    _TMA(key, (programs,), TensorDescriptor.from_tensor(x, [bm, bk]),
-         TensorDescriptor.from_tensor(w, [bn, bk]), TensorDescriptor.from_tensor(out, [bm, bn]),
-         bias, m, n, k, b is not None, bm, bn, bk, cfg.group_m, programs, pdl,
-         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)

@@ -86,22 +86,38 @@ def _shape(h: int) -> tuple[int, int, int]:
 def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     h = x.shape[-1]
-    x2 = x.reshape(-1, h)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, h)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
-    out = x2.new_empty(x2.shape, dtype=_out_dtype(w.dtype, x.dtype))
-    summed = torch.empty_like(x2) if r is not None else None
-    r2 = r.reshape(-1, h).contiguous() if r is not None else x2
+    out = x2.new_empty((m, h), dtype=_out_dtype(w.dtype, x.dtype))
+    summed = x2.new_empty((m, h)) if r is not None else None
+    r2 = x2 if r is None else r if r.dim() == 2 and r.is_contiguous() else \
+        r.reshape(-1, h).contiguous()
     if m:
-        rows, block, warps = _shape(h)
-        s, pdl = summed if summed is not None else out, programmatic(x2)
-        key = (x2.dtype, r2.dtype, w.dtype, out.dtype, h, x2.stride(0), r2.stride(0),
-               out.stride(0), s.stride(0), eps, r is not None, pdl, aligned(x2, r2, w, out, s))
-        _RMS_NORM(key, (triton.cdiv(m, rows),), x2, r2, w, out, s, m, h, x2.stride(0),
-                  r2.stride(0), out.stride(0), s.stride(0), eps, r is not None, rows, block, pdl,
-                  num_warps=warps, enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
+        key, grid, tail, options = _plan(m, h, x2.dtype, r2.dtype, w.dtype, x2.stride(0),
+                                         r2.stride(0), eps, r is not None, programmatic(x2),
+                                         aligned(x2, r2, w))
+        _RMS_NORM(key, grid, x2, r2, w, out, summed if summed is not None else out, *tail,
+                  **options)
+    if flat:
+        return out, summed
     lead = x.shape[:-1]
     return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, h: int, x_dtype: torch.dtype, r_dtype: torch.dtype, w_dtype: torch.dtype,
+          stride_x: int, stride_r: int, eps: float, has_res: bool, pdl: bool, align: int
+          ) -> tuple[int, tuple[int], tuple, dict]:
+    """(launch key, grid, the arguments after the tensors, launch options) of one call; the
+    outputs are new [M, H] tensors (stride H, aligned)."""
+    rows, block, warps = _shape(h)
+    key = _RMS_NORM.intern((x_dtype, r_dtype, w_dtype, h, stride_x, stride_r, eps, has_res, pdl,
+                            align))
+    tail = (m, h, stride_x, stride_r, h, h, eps, has_res, rows, block, pdl)
+    return key, (triton.cdiv(m, rows),), tail, dict(num_warps=warps,
+                                                     enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
 
 
 @functools.cache
