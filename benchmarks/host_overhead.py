@@ -179,6 +179,10 @@ def _norm_layers(m: int) -> dict:
 def breakdown() -> None:
     """Host us per call of each layer of one op (JSON lines): stock op, allocation, the whole
     op, its Launcher, compiled.run."""
+    from samebits.ops.triton import launcher
+    runtime = launcher.knobs.runtime
+    print(json.dumps({"launch_enter_hook": repr(runtime.launch_enter_hook),
+                      "launch_exit_hook": repr(runtime.launch_exit_hook)}), flush=True)
     for m, n in ((1, 4096), (16, 4096), (128, 4096), (16, 24576)):
         print(json.dumps({"op": "linear", "M": m, "N": n, **_linear_layers(m, n)}), flush=True)
     for m in (1, 128):

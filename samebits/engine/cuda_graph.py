@@ -29,7 +29,6 @@ import torch
 from tqdm import tqdm
 
 from samebits.ops.backend import AttentionMetadata
-from samebits.transfer import to_device
 
 log = logging.getLogger("samebits.engine")
 
@@ -73,13 +72,18 @@ class HostInputs:
     the same blocks. (Rewriting 64 rows of long contexts from Python lists every step cost the
     device ~1 ms of idle time per step.)"""
 
-    def __init__(self, size: int, width: int, scratch_block: int, block_size: int) -> None:
+    def __init__(self, size: int, width: int, scratch_block: int, block_size: int,
+                 pinned: bool = False) -> None:
         self.size, self.width, self.scratch_block = size, width, scratch_block
-        self.array = np.empty(size * (4 + width), dtype=np.int64)
+        # pinned: the array is a view of page-locked memory (``tensor``), copied to the device
+        # without staging; the caller must not refill it before that copy has run
+        self.tensor = torch.empty(size * (4 + width), dtype=torch.int64, pin_memory=pinned)
+        self.array = self.tensor.numpy()
         self.head = self.array[:4 * size].reshape(4, size)
         self.tables = self.array[4 * size:].reshape(size, width)
         self.tables.fill(scratch_block)
         self.pad = np.array([0, 0, scratch_block * block_size, 1], dtype=np.int64)[:, None]
+        self.head[:] = self.pad
         self.copied: list[tuple[list[int] | None, int]] = [(None, 0)] * size
 
     def fill(self, batch: DecodeBatch) -> np.ndarray:
@@ -109,24 +113,33 @@ class HostInputs:
         self.copied[i] = (table, len(table or ()))
 
 
-LAYERS_PER_GRAPH = 9  # a decode step is a chain of graphs of this many layers (see _Captured)
+LAYERS_PER_GRAPH = 9  # the largest piece of a decode step's chain of graphs (see _Captured)
 
 
 def layer_pieces(num_layers: int) -> list[range]:
-    """Consecutive layer ranges of at most LAYERS_PER_GRAPH layers covering the model."""
-    return [range(i, min(i + LAYERS_PER_GRAPH, num_layers))
-            for i in range(0, max(num_layers, 1), LAYERS_PER_GRAPH)]
+    """Consecutive layer ranges covering the model: 1, 2, 4, 8 layers, then LAYERS_PER_GRAPH
+    each (the last may be shorter)."""
+    pieces, start, size = [], 0, 1
+    while start < max(num_layers, 1):
+        pieces.append(range(start, min(start + size, num_layers)))
+        start += size
+        size = min(2 * size, LAYERS_PER_GRAPH)
+    return pieces
 
 
 class _Captured:
     """One decode step's graphs and the tensors they read and write.
 
-    The step is captured as a chain of graphs, a few layers each (``layer_pieces``), handing
-    (h, residual) over through ``carry`` buffers: launching a graph costs the host about a
-    microsecond per kernel, and the device idles until the launch returns; with pieces, only the
-    first piece's launch is waited for and the others are launched while the device runs. The
+    The step is captured as a chain of graphs (``layer_pieces``), handing (h, residual) over
+    through ``carry`` buffers: launching a graph costs the host about a microsecond per kernel,
+    and the device idles until the launch returns; with pieces, only the first (one layer)
+    piece's launch is waited for and the others are launched while the device runs. The
     hand-over copies are exact, so the pieces compute the one-graph forward bit for bit. A model
-    without ``run_layers`` is captured as one graph."""
+    without ``run_layers`` is captured as one graph.
+
+    The host writes a step's int inputs into pinned memory (``HostInputs``); one copy moves them
+    to ``staged`` and the first graph begins by copying them into the inputs the kernels read.
+    The host waits for the previous step's copy (``_copied``) before refilling."""
 
     def __init__(self, model, kv_caches: list, size: int, max_len: int, block_size: int,
                  split_size: int, scratch_block: int, pool,
@@ -134,7 +147,9 @@ class _Captured:
         dev = kv_caches[0][0].device
         width = -(-max_len // block_size)
         self.size, self.max_len, self.width = size, max_len, width
-        self.host = HostInputs(size, width, scratch_block, block_size)
+        self.host = HostInputs(size, width, scratch_block, block_size, pinned=True)
+        self.staged = self.host.tensor.to(dev)  # every row padding
+        self._copied = torch.cuda.Event()
         ints = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(size, **ints)
         self.positions = torch.zeros(size, **ints)
@@ -161,6 +176,7 @@ class _Captured:
         if carry is None:
             graph = torch.cuda.CUDAGraph()
             with _capture_into(graph, pool):
+                self._unstage()
                 self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
             return [graph]
         pieces, graphs = layer_pieces(len(model.layers)), []
@@ -168,6 +184,8 @@ class _Captured:
         for j, layers in enumerate(pieces):
             graphs.append(torch.cuda.CUDAGraph())
             with _capture_into(graphs[-1], pool):
+                if j == 0:
+                    self._unstage()
                 h, r = (model.embed(self.input_ids), None) if j == 0 else (carry_h, carry_r)
                 h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
                 if j == len(pieces) - 1:
@@ -182,15 +200,21 @@ class _Captured:
         for graph in self.graphs:
             graph.replay()
 
+    def _unstage(self) -> None:
+        """Captured first: the staged int inputs into the tensors the kernels read."""
+        s, st = self.size, self.staged
+        self.input_ids.copy_(st[:s])
+        self.positions.copy_(st[s:2 * s])
+        self.dec_pos.copy_(st[s:2 * s])
+        self.slots.copy_(st[2 * s:3 * s])
+        self.seq_lens.copy_(st[3 * s:4 * s])
+        self.block_tables.copy_(st[4 * s:].view(s, self.width))
+
     def replay(self, batch: DecodeBatch) -> torch.Tensor:
-        dev = to_device(self.host.fill(batch), torch.int64, self.input_ids.device)
-        s = self.size
-        self.input_ids.copy_(dev[:s])
-        self.positions.copy_(dev[s:2 * s])
-        self.dec_pos.copy_(dev[s:2 * s])
-        self.slots.copy_(dev[2 * s:3 * s])
-        self.seq_lens.copy_(dev[3 * s:4 * s])
-        self.block_tables.copy_(dev[4 * s:].view(s, self.width))
+        self._copied.synchronize()  # the pinned inputs of the last replay have been read
+        self.host.fill(batch)
+        self.staged.copy_(self.host.tensor, non_blocking=True)
+        self._copied.record()
         self.launch()
         return self.hidden
 
