@@ -123,15 +123,16 @@ def graph_us(llm: LLM, batch: int, context: int, reps: int = 50) -> dict[str, fl
 
 def host_gap_us(llm: LLM, prompts: list[list[int]], temperature: float, tokens: int = 65
                 ) -> float:
-    """Median microseconds from the host's read of a decode step's tokens to the next step's
-    graph replay: host work (bookkeeping, scheduling, input copies) while the device idles."""
+    """Median microseconds from the host's read of a decode step's tokens to the next graph
+    replay: host work (bookkeeping, scheduling, input copies), while the device idles -- unless
+    a step launched ahead (async scheduling) keeps it busy."""
     from samebits.engine import cuda_graph, runner
     marks: list[tuple[str, float]] = []
     replay, sample = cuda_graph._Captured.replay, runner.ModelRunner._sample
 
-    def timed_replay(self, rows):
+    def timed_replay(self, *args):
         marks.append(("replay", time.perf_counter()))
-        return replay(self, rows)
+        return replay(self, *args)
 
     def timed_sample(self, *args):
         sample(self, *args)
@@ -163,6 +164,8 @@ def main() -> None:
     p.add_argument("--standard", action="store_true", help="the standard mode (stock ops)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: max(8, batch)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before launching the next (A/B)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch (A/B)")
     p.add_argument("--prefetch-kb", type=int, default=None,
@@ -177,7 +180,7 @@ def main() -> None:
         launcher._programmatic_device = lambda index: False
     bw = copy_bandwidth()
     llm = LLM(args.model, load_format=args.load_format, device="cuda", enable_prefix_caching=False,
-              batch_invariant=not args.standard,
+              batch_invariant=not args.standard, async_scheduling=not args.no_async_scheduling,
               max_num_seqs=args.max_num_seqs or max(8, args.batch))
     nbytes = weight_bytes(llm.engine.loaded.model)
     prompts = [[100 + (i + 7 * b) % 5000 for i in range(args.prompt_len)]
@@ -187,6 +190,8 @@ def main() -> None:
     print(json.dumps({"bench": "decode_roofline", "device": torch.cuda.get_device_name(),
                       "mode": "standard" if args.standard else "invariant",
                       "pdl": not args.no_pdl, "prefetch_kb": linear_prefetch_kb(),
+                      "async_scheduling": not args.no_async_scheduling,
+                      "steps_served_ahead": llm.engine.runner.ahead_steps_used,
                       "copy_GB_s": round(bw / 1e9, 1), "weight_GB": round(nbytes / 1e9, 3),
                       "roofline_tok_s": round(roof, 1), "decode_tok_s": round(rate, 1),
                       "ratio_to_roofline": round(rate / roof, 3)}), flush=True)

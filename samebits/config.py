@@ -152,6 +152,10 @@ class EngineConfig:
     # decode at batch 1 / 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
     attention_split_size: int = 128
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
+    # CUDA graphs: a decode step's successor is launched before the step's tokens reach the host
+    # (its input ids read on the device), and used when the next step is that very batch; the
+    # host's bookkeeping between steps then overlaps the device's work (it never changes the bits)
+    async_scheduling: bool = True
     # prompt tokens one sequence may prefill per step (vLLM's name), so a running stream waits at
     # most one such chunk; None: CPU_LONG_PREFILL_TOKENS on CPU, no cap (the step budget) on CUDA
     long_prefill_token_threshold: int | None = None
@@ -240,6 +244,9 @@ class EngineConfig:
                        "dividing the KV heads gives the bits of N = 1 (one device)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+        p.add_argument("--no-async-scheduling", action="store_true",
+                       help="CUDA graphs: wait for a decode step's tokens before launching the "
+                            "next step")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -250,6 +257,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+            async_scheduling=not args.no_async_scheduling,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             tensor_parallel_size=args.tensor_parallel_size)
         if args.standard:

@@ -210,11 +210,16 @@ class _Captured:
         self.seq_lens.copy_(st[3 * s:4 * s])
         self.block_tables.copy_(st[4 * s:].view(s, self.width))
 
-    def replay(self, batch: DecodeBatch) -> torch.Tensor:
+    def replay(self, batch: DecodeBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The graphs on ``batch``; with ``device_ids`` [B] the input ids are read from that
+        device tensor (negative entries become 0) instead of ``batch.input_ids``."""
         self._copied.synchronize()  # the pinned inputs of the last replay have been read
         self.host.fill(batch)
         self.staged.copy_(self.host.tensor, non_blocking=True)
         self._copied.record()
+        if device_ids is not None:
+            n = device_ids.shape[0]
+            self.staged[:n].copy_(device_ids.clamp(min=0))
         self.launch()
         return self.hidden
 
@@ -283,9 +288,14 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Hidden states [B, H] of the batch's decode tokens, via the graph of its buckets."""
-        n = len(batch.input_ids)
-        key = (batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size))
-        g = self.graphs[key]
-        return g.replay(batch)[:n]
+    def covers(self, batch: DecodeBatch) -> bool:
+        return self._key(batch) in self.graphs
+
+    def run(self, batch: DecodeBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [B, H] of the batch's decode tokens, via the graph of its buckets
+        (``device_ids``: ``_Captured.replay``)."""
+        return self.graphs[self._key(batch)].replay(batch, device_ids)[:len(batch.positions)]
+
+    def _key(self, batch: DecodeBatch) -> tuple[int, int]:
+        n = len(batch.positions)
+        return batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size)

@@ -295,6 +295,7 @@ class LLMEngine:
         if shards is not None:  # tensor parallel: every rank updates and re-shards
             shards(items)
         self.kv.set_fingerprint(self.fingerprint)
+        self.runner.discard_ahead()  # launched with the old weights
         return self.fingerprint
 
     # ---- outputs --------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,26 @@ class StepResult:
     scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
 
 
+@dataclass
+class AheadStep:
+    """A decode step launched before its predecessor's tokens were read (async scheduling): the
+    predecessor's sequences at their next positions, input ids taken on the device from its
+    sampled tokens. It stands for the next step only if that step is these sequences at these
+    positions and slots and every token it read was final (``valid``); otherwise its work is
+    dropped, and the KV it wrote at those slots is rewritten before anything reads it (the next
+    step that computes those positions writes them again)."""
+
+    seqs: list[Sequence]
+    batch: DecodeBatch
+    hidden: torch.Tensor
+    valid: bool = True
+
+    def serves(self, seqs: list[Sequence], batch: DecodeBatch) -> bool:
+        return (self.valid and len(seqs) == len(self.seqs)
+                and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
+                and batch.positions == self.batch.positions and batch.slots == self.batch.slots)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model, self.config = loaded.model, config
@@ -68,6 +89,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         self.graphs = None
+        self.ahead: AheadStep | None = None  # async scheduling: the next decode step, in flight
+        self.ahead_steps_used = 0  # steps served by a step launched ahead, since start
         if self.device.type == "cuda" and not config.enforce_eager:
             max_len = min(loaded.max_model_len, self.num_blocks * config.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
@@ -199,9 +222,12 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         result = StepResult([], [], [], [], [])
         decode = self._graph_batch(batch)
+        ahead, self.ahead = self.ahead, None
         if decode is not None:
-            rows = list(range(len(batch.seqs)))
-            self._sample(rows, batch.seqs, self.graphs.run(decode), result)
+            served = ahead is not None and ahead.serves(batch.seqs, decode)
+            self.ahead_steps_used += served
+            hidden = ahead.hidden if served else self.graphs.run(decode)
+            self._sample(list(range(len(batch.seqs))), batch.seqs, hidden, result, decode)
             return result
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -217,11 +243,34 @@ class ModelRunner:
         inputs = self.prepare(batch)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
+    def discard_ahead(self) -> None:
+        """Drop the step launched ahead (the weights or a sequence's state changed)."""
+        self.ahead = None
+
+    def _launch_ahead(self, seqs: list[Sequence], decode: DecodeBatch, tokens: torch.Tensor
+                      ) -> None:
+        """Launch the decode step that follows ``decode`` if every sequence goes on: input ids
+        ``tokens`` (on the device, not yet read), positions one further, in blocks already held.
+        Not when every sequence reaches its token limit now."""
+        positions = [p + 1 for p in decode.positions]
+        bs = self.block_size
+        pairs = list(zip(seqs, positions, strict=True))
+        if (not self.config.async_scheduling
+                or any(p // bs >= len(s.block_table) or p >= self.max_model_len for s, p in pairs)
+                or all(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs)):
+            return
+        nxt = DecodeBatch(input_ids=[0] * len(seqs), positions=positions,
+                          slots=[self._slot(s, p) for s, p in pairs],
+                          block_tables=list(decode.block_tables))
+        if self.graphs.covers(nxt):
+            self.ahead = AheadStep(list(seqs), nxt, self.graphs.run(nxt, tokens))
+
     def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
-                result: StepResult) -> None:
+                result: StepResult, decode: DecodeBatch | None = None) -> None:
         """Logits, logprobs and tokens of the sampled rows, queued behind the forward; the host
         waits once, for tokens and chosen logprobs together (again only for rows a rejection
-        chain left undecided)."""
+        chain left undecided). A graph decode step (``decode``) launches its successor before
+        that wait (``_launch_ahead``)."""
         if sample_rows != list(range(hidden.shape[0])):
             hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
@@ -229,8 +278,13 @@ class ModelRunner:
         logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
         pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.output_token_ids) for s in seqs])
-        tokens, values = _read_tokens(pending.tokens, logprobs)
+        read = _start_read(pending.tokens, logprobs)
+        if decode is not None:
+            self._launch_ahead(seqs, decode, pending.tokens)
+        tokens, values = read()
         if min(tokens, default=0) < 0:  # rows the sampler completes on the host (rare)
+            if self.ahead is not None:
+                self.ahead.valid = False  # it read those rows as token 0
             tokens = pending.complete(tokens)
             values = _read_tokens(to_device(tokens, torch.int64, self.device), logprobs)[1]
         result.sampled, result.tokens, result.logprobs = seqs, tokens, values
@@ -286,12 +340,33 @@ class ModelRunner:
             row += count
 
 
-def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Token ids [B] (negative ids read as such) and each row's logprob of its token, in one
-    device-to-host transfer: ids < 2**53 and fp32 logprobs are exact in fp64."""
+def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor
+                ) -> Callable[[], tuple[list[int], list[float]]]:
+    """Queue the copy of token ids [B] (negative ids read as such) and each row's logprob of its
+    token to the host, in one transfer (ids < 2**53 and fp32 logprobs are exact in fp64); the
+    returned function waits for it. On CUDA the copy goes to pinned memory behind an event, so
+    work queued after it (a step launched ahead) does not delay the read."""
     chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
-    ids, values = torch.stack([tokens.double(), chosen.double()]).tolist()
-    return [int(t) for t in ids], values
+    both = torch.stack([tokens.double(), chosen.double()])
+    if not both.is_cuda:
+        return lambda: _ids_values(both.tolist())
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+    host.copy_(both, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> tuple[list[int], list[float]]:
+        copied.synchronize()
+        return _ids_values(host.tolist())
+    return wait
+
+
+def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    return _start_read(tokens, logprobs)()
+
+
+def _ids_values(rows: list[list[float]]) -> tuple[list[int], list[float]]:
+    return [int(t) for t in rows[0]], rows[1]
 
 
 def _top(row: torch.Tensor, k: int | None) -> dict[int, float]:

@@ -8,6 +8,7 @@ steps (the default), so every comparison also proves graph replay == eager, bit 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -83,6 +84,22 @@ def test_gpu_score_equals_generation_logprobs(reference):
         [p + t for (p, _), (t, _) in zip(reqs, want, strict=True)])
     for (p, _), (_, lp), s in zip(reqs, want, scored, strict=True):
         assert s[len(p) - 1:] == lp
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_gpu_async_scheduling_changes_no_bit(reference, async_scheduling):
+    """Steps launched ahead (input ids read on the device) serve most decode steps and give the
+    eager reference's bits; lengths differ, so sequences finish while their successor step is
+    already in flight. The control run without it serves none."""
+    reqs, want = reference
+    lengths = [4 + (7 * i) % (MAX_TOKENS - 3) for i in range(len(reqs))]
+    varied = [(p, dataclasses.replace(sp, max_tokens=n))
+              for (p, sp), n in zip(reqs, lengths, strict=True)]
+    llm = _llm(max_num_seqs=16, async_scheduling=async_scheduling)
+    got = run_shuffled(llm, varied, 4)
+    assert _diff(got, [(t[:n], lp[:n]) for (t, lp), n in zip(want, lengths, strict=True)]) == []
+    used = llm.engine.runner.ahead_steps_used
+    assert used > 0 if async_scheduling else used == 0
 
 
 def test_gpu_negative_control_standard_mode_differs(reference):
