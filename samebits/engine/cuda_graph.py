@@ -72,13 +72,9 @@ class HostInputs:
     the same blocks. (Rewriting 64 rows of long contexts from Python lists every step cost the
     device ~1 ms of idle time per step.)"""
 
-    def __init__(self, size: int, width: int, scratch_block: int, block_size: int,
-                 pinned: bool = False) -> None:
+    def __init__(self, size: int, width: int, scratch_block: int, block_size: int) -> None:
         self.size, self.width, self.scratch_block = size, width, scratch_block
-        # pinned: the array is a view of page-locked memory (``tensor``), copied to the device
-        # without staging; the caller must not refill it before that copy has run
-        self.tensor = torch.empty(size * (4 + width), dtype=torch.int64, pin_memory=pinned)
-        self.array = self.tensor.numpy()
+        self.array = np.empty(size * (4 + width), dtype=np.int64)
         self.head = self.array[:4 * size].reshape(4, size)
         self.tables = self.array[4 * size:].reshape(size, width)
         self.tables.fill(scratch_block)
@@ -127,6 +123,26 @@ def layer_pieces(num_layers: int) -> list[range]:
     return pieces
 
 
+class Staging:
+    """The graphs' int inputs on their way to the device, one set for all graphs (they run one
+    at a time, in stream order): page-locked ``host`` memory, the ``device`` buffer it is copied
+    to, and the event after the last copy (the host waits for it before writing ``host`` again)."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.host = torch.empty(numel, dtype=torch.int64, pin_memory=True)
+        self.host_array = self.host.numpy()
+        self.device = torch.empty(numel, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event()
+
+    def send(self, values: np.ndarray) -> None:
+        """``device[:len(values)] = values``, queued on the current stream."""
+        self.copied.synchronize()
+        n = len(values)
+        self.host_array[:n] = values
+        self.device[:n].copy_(self.host[:n], non_blocking=True)
+        self.copied.record()
+
+
 class _Captured:
     """One decode step's graphs and the tensors they read and write.
 
@@ -137,19 +153,17 @@ class _Captured:
     hand-over copies are exact, so the pieces compute the one-graph forward bit for bit. A model
     without ``run_layers`` is captured as one graph.
 
-    The host writes a step's int inputs into pinned memory (``HostInputs``); one copy moves them
-    to ``staged`` and the first graph begins by copying them into the inputs the kernels read.
-    The host waits for the previous step's copy (``_copied``) before refilling."""
+    A step's int inputs (``HostInputs``) go to the device in one copy (``Staging``), and the
+    first graph begins by copying them into the inputs the kernels read."""
 
     def __init__(self, model, kv_caches: list, size: int, max_len: int, block_size: int,
                  split_size: int, scratch_block: int, pool,
-                 carry: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                 carry: tuple[torch.Tensor, torch.Tensor] | None, staging: Staging) -> None:
         dev = kv_caches[0][0].device
         width = -(-max_len // block_size)
         self.size, self.max_len, self.width = size, max_len, width
-        self.host = HostInputs(size, width, scratch_block, block_size, pinned=True)
-        self.staged = self.host.tensor.to(dev)  # every row padding
-        self._copied = torch.cuda.Event()
+        self.host = HostInputs(size, width, scratch_block, block_size)
+        self.staging, self.staged = staging, staging.device[:size * (4 + width)]
         ints = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(size, **ints)
         self.positions = torch.zeros(size, **ints)
@@ -169,6 +183,7 @@ class _Captured:
             model(self.input_ids, self.positions, kv_caches, self.meta)
         torch.cuda.synchronize(dev)
         self.graphs = self._capture(model, kv_caches, pool, carry)
+        self.staging.send(self.host.array)  # padding rows
         self.launch()  # the first replay uploads the graphs: not in a request's time
 
     def _capture(self, model, kv_caches: list, pool,
@@ -213,10 +228,7 @@ class _Captured:
     def replay(self, batch: DecodeBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The graphs on ``batch``; with ``device_ids`` [B] the input ids are read from that
         device tensor (negative entries become 0) instead of ``batch.input_ids``."""
-        self._copied.synchronize()  # the pinned inputs of the last replay have been read
-        self.host.fill(batch)
-        self.staged.copy_(self.host.tensor, non_blocking=True)
-        self._copied.record()
+        self.staging.send(self.host.fill(batch))
         if device_ids is not None:
             n = device_ids.shape[0]
             self.staged[:n].copy_(device_ids.clamp(min=0))
@@ -253,6 +265,9 @@ class DecodeGraphs:
         if hasattr(model, "run_layers"):
             p, rows = model.embed_tokens, batch_bucket(max_batch)
             self.carry = (p.new_empty(rows, p.shape[1]), p.new_empty(rows, p.shape[1]))
+        sizes, lens = self.buckets(max_batch, max_len, split_size)
+        self.staging = Staging(max(sizes) * (4 + -(-max(lens) // block_size)),
+                               kv_caches[0][0].device)
         self.capture_seconds = self._capture(max_len)
 
     @staticmethod
@@ -278,7 +293,7 @@ class DecodeGraphs:
         for size, n in tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False):
             self.graphs[(size, n)] = _Captured(self.model, self.kv_caches, size, n, self.block_size,
                                                self.split_size, self.scratch_block, self.pool,
-                                               self.carry)
+                                               self.carry, self.staging)
         seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_allocated() - before
         log.info("captured %d decode CUDA graphs (batch buckets %s, contexts up to %d) in %.1f s, "

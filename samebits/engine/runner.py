@@ -257,7 +257,8 @@ class ModelRunner:
         pairs = list(zip(seqs, positions, strict=True))
         if (not self.config.async_scheduling
                 or any(p // bs >= len(s.block_table) or p >= self.max_model_len for s, p in pairs)
-                or all(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs)):
+                or all(len(s.output_token_ids) + 1 >= s.params.max_tokens
+                       or p + 1 >= self.max_model_len for s, p in pairs)):
             return
         nxt = DecodeBatch(input_ids=[0] * len(seqs), positions=positions,
                           slots=[self._slot(s, p) for s, p in pairs],

@@ -54,12 +54,12 @@ def test_direct_route_is_taken_on_known_triton_and_hooks_route_through_run():
     assert launches
     known = triton.__version__.startswith(launcher._DIRECT_VERSIONS)
     assert all(f.direct == known for f in launches)
-    seen = []
+    seen, original = [], launcher.knobs.runtime.launch_enter_hook
     try:
         launcher.knobs.runtime.launch_enter_hook = seen.append
         hooked = _ops(x, w, wn)
     finally:
-        launcher.knobs.runtime.launch_enter_hook = None
+        launcher.knobs.runtime.launch_enter_hook = original
     assert len(seen) == 3  # add_rms_norm, linear, rms_norm: each launch reached the hook
     assert all(torch.equal(a, b) for a, b in zip(expected, hooked, strict=True))
 
@@ -81,7 +81,7 @@ def test_unaligned_pointers_get_their_own_launch_key():
     variant compiled for an aligned one."""
     aligned_x, w, _ = _inputs(16)
     unaligned_x, _, _ = _inputs(16, 3)
-    keys = {L._plan(16, OUT, K, x.dtype, w.dtype, x.dtype, False, False, x.stride(0),
+    keys = {L._plan(16, OUT, K, x.dtype, w.dtype, x.dtype, False, None, x.stride(0),
                     w.stride(0), OUT, L.pick_config(16, OUT, K, x.dtype), 1, None, False,
                     launcher.aligned(x, w, x, x), True).key
             for x in (aligned_x, unaligned_x)}

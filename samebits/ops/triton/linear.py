@@ -186,9 +186,9 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         w = w if w.stride(-1) == 1 else w.contiguous()
         contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
     bias = b if b is not None else x
-    p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3, b is not None, x.stride(0),
-              w.stride(0), out.stride(-2), cfg, segments, split, programmatic(x),
-              aligned(x, w, bias, out), contiguous)
+    p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
+              None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
+              segments, split, programmatic(x), aligned(x, w, bias, out), contiguous)
     if p.tma:
         (bm, bk), (bn, _) = p.blocks
         _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
@@ -221,18 +221,22 @@ class _Plan:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
-          out_dtype: torch.dtype, keep: bool, has_bias: bool, stride_x: int, stride_w: int,
-          stride_o: int, cfg: GemmConfig | None, segments: int | SegmentLayout | None,
-          split: bool | None, pdl: bool, align: int, contiguous: bool) -> _Plan:
-    """The launches of ``run`` for these shapes, strides, dtypes, pointer alignments (bits of
-    x, w, bias, out) and contiguity; ``keep``: ``out`` is [S, M, N] and receives the partials."""
+          out_dtype: torch.dtype, keep: bool, b_dtype: torch.dtype | None, stride_x: int,
+          stride_w: int, stride_o: int, cfg: GemmConfig | None,
+          segments: int | SegmentLayout | None, split: bool | None, pdl: bool, align: int,
+          contiguous: bool) -> _Plan:
+    """The launches of ``run`` for these shapes, strides, dtypes (``b_dtype`` None: no bias),
+    pointer alignments (bits of x, w, bias, out) and contiguity; ``keep``: ``out`` is [S, M, N]
+    and receives the partials. Every launch key holds what Triton specializes on, including the
+    integer width of the unspecialized M * N (i64 from 2**31)."""
+    has_bias, wide = b_dtype is not None, m * n >= 2 ** 31
     cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
     segments = num_segments(k, n) if segments is None else segments
     layout = _uniform(k, segments) if isinstance(segments, int) else segments
     segs = layout.count
     if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
                                                       contiguous):
-        return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, has_bias, cfg, pdl, align)
+        return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
     split = keep or (segs > 1 and (m <= SPLIT_MAX_M if split is None else split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     even = layout.even(k, cfg.block_k)
@@ -241,8 +245,8 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     fresh = split and not keep  # the partials go to a new [S, M, N] fp32 buffer
     t_dtype, t_stride = (torch.float32, n) if fresh else (out_dtype, stride_o)
     t_align = align | 8 if fresh else align
-    key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, has_bias, n, k, stride_x, stride_w,
-                          t_stride, layout, split, cfg, even, pdl, prefetch, t_align))
+    key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, b_dtype, n, k, stride_x, stride_w,
+                          t_stride, layout, split, cfg, even, pdl, prefetch, t_align, wide))
     tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, segs, split,
             segs > 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
             even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
@@ -254,18 +258,20 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     block = 1024
     return dataclasses.replace(
         plan, partials=segs,
-        sum_key=_SUM_PARTIALS.intern((out_dtype, has_bias, segs, pdl, align >> 2)),  # bias, out
+        sum_key=_SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align >> 2, wide,
+                                      (m * n) % 16 == 0, m * n == 1)),  # MN is specialized
         sum_grid=(triton.cdiv(m * n, block),), sum_tail=(m * n, n, segs, has_bias, block, pdl),
         sum_options=dict(num_warps=4, launch_pdl=pdl))
 
 
 def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
-              out_dtype: torch.dtype, has_bias: bool, cfg: GemmConfig, pdl: bool, align: int
-              ) -> _Plan:
+              out_dtype: torch.dtype, b_dtype: torch.dtype | None, cfg: GemmConfig, pdl: bool,
+              align: int) -> _Plan:
+    has_bias = b_dtype is not None
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, _num_sms(torch.cuda.current_device()) if torch.cuda.is_initialized()
                    else 4)
-    key = _TMA.intern((x_dtype, w_dtype, out_dtype, has_bias, n, k, cfg, programs, pdl,
+    key = _TMA.intern((x_dtype, w_dtype, out_dtype, b_dtype, n, k, cfg, programs, pdl,
                        bool(align & 4)))
     tail = (m, n, k, has_bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, pdl)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
