@@ -279,17 +279,20 @@ class ModelRunner:
         logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
         pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.output_token_ids) for s in seqs])
-        read = _start_read(pending.tokens, logprobs)
+        ks = [s.params.logprobs or 0 for s in seqs]
+        tops = [logprobs[i].topk(k) for i, k in enumerate(ks) if k]  # per row: a row's own bits
+        read = _start_read(pending.tokens, logprobs, [t for top in tops for t in top])
         if decode is not None:
             self._launch_ahead(seqs, decode, pending.tokens)
-        tokens, values = read()
+        tokens, values, extra = read()
         if min(tokens, default=0) < 0:  # rows the sampler completes on the host (rare)
             if self.ahead is not None:
                 self.ahead.valid = False  # it read those rows as token 0
             tokens = pending.complete(tokens)
             values = _read_tokens(to_device(tokens, torch.int64, self.device), logprobs)[1]
         result.sampled, result.tokens, result.logprobs = seqs, tokens, values
-        result.top_logprobs = [_top(logprobs[i], s.params.logprobs) for i, s in enumerate(seqs)]
+        pairs = iter(zip(extra[0::2], extra[1::2], strict=True))  # (values, ids) of each top
+        result.top_logprobs = [_top(*next(pairs)) if k else {} for k in ks]
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
@@ -336,43 +339,56 @@ class ModelRunner:
                 k = seq.params.prompt_logprobs
                 if k is not None:
                     span.ranks = (block >= picked).sum(dim=1).tolist()
-                    span.top = [_top(r, k) for r in block]
+                    span.top = [_row_top(r, k) for r in block]
             result.scored.append(span)
             row += count
 
 
-def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor
-                ) -> Callable[[], tuple[list[int], list[float]]]:
-    """Queue the copy of token ids [B] (negative ids read as such) and each row's logprob of its
-    token to the host, in one transfer (ids < 2**53 and fp32 logprobs are exact in fp64); the
-    returned function waits for it. On CUDA the copy goes to pinned memory behind an event, so
-    work queued after it (a step launched ahead) does not delay the read."""
+def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor, extra: list[torch.Tensor] = ()
+                ) -> Callable[[], tuple[list[int], list[float], list[list[float]]]]:
+    """Queue the copy to the host of token ids [B] (negative ids read as such), each row's
+    logprob of its token and the 1-D ``extra`` tensors, in one transfer (ints < 2**53 and fp32
+    values are exact in fp64); the returned function waits for it and gives (ids, logprobs,
+    each extra as a list). On CUDA the copy goes to pinned memory behind an event, so work
+    queued after it (a step launched ahead) does not delay the read."""
     chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
-    both = torch.stack([tokens.double(), chosen.double()])
-    if not both.is_cuda:
-        return lambda: _ids_values(both.tolist())
-    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-    host.copy_(both, non_blocking=True)
+    parts = [tokens, chosen, *extra]
+    flat = torch.cat([t.double() for t in parts])
+    sizes = [t.numel() for t in parts]
+    if not flat.is_cuda:
+        return lambda: _split(flat.tolist(), sizes)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
-    def wait() -> tuple[list[int], list[float]]:
+    def wait() -> tuple[list[int], list[float], list[list[float]]]:
         copied.synchronize()
-        return _ids_values(host.tolist())
+        return _split(host.tolist(), sizes)
     return wait
 
 
 def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    return _start_read(tokens, logprobs)()
+    return _start_read(tokens, logprobs)()[:2]
 
 
-def _ids_values(rows: list[list[float]]) -> tuple[list[int], list[float]]:
-    return [int(t) for t in rows[0]], rows[1]
+def _split(values: list[float], sizes: list[int]) -> tuple[list[int], list[float],
+                                                          list[list[float]]]:
+    parts, start = [], 0
+    for n in sizes:
+        parts.append(values[start:start + n])
+        start += n
+    return [int(t) for t in parts[0]], parts[1], parts[2:]
 
 
-def _top(row: torch.Tensor, k: int | None) -> dict[int, float]:
-    """The k most likely tokens and their logprobs (for OpenAI's top_logprobs)."""
+def _top(values: list[float], ids: list[float]) -> dict[int, float]:
+    """A row's ``topk`` as read: the k most likely tokens and their logprobs (OpenAI's
+    top_logprobs)."""
+    return dict(zip((int(i) for i in ids), values, strict=True))
+
+
+def _row_top(row: torch.Tensor, k: int) -> dict[int, float]:
     if not k:
         return {}
     values, ids = row.topk(k)
-    return dict(zip(ids.tolist(), values.tolist(), strict=True))
+    return _top(values.tolist(), ids.tolist())
