@@ -136,7 +136,7 @@ def _last_launch(launcher, fn):
         launcher.__class__.__call__ = real
     key, grid, args, options = seen["call"]
     device = torch.cuda.current_device()
-    return launcher.compiled[(device, key)], key, grid, args, options
+    return launcher._launch[(device, key)].compiled, key, grid, args, options
 
 
 def _layers(launcher, op, stock, alloc) -> dict:

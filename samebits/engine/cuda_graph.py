@@ -201,7 +201,9 @@ class _Captured:
             with _capture_into(graphs[-1], pool):
                 if j == 0:
                     self._unstage()
-                h, r = (model.embed(self.input_ids), None) if j == 0 else (carry_h, carry_r)
+                    h, r = model.embed(self.input_ids), None
+                else:
+                    h, r = carry_h, carry_r
                 h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
                 if j == len(pieces) - 1:
                     self.hidden = model.final_norm(h, r)  # [size, H]

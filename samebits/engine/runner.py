@@ -18,7 +18,7 @@ from samebits.engine.sequence import Sequence
 from samebits.loader import LoadedModel
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
-from samebits.transfer import to_device
+from samebits.transfer import to_device, to_host_later
 
 
 @dataclass
@@ -251,12 +251,13 @@ class ModelRunner:
                       ) -> None:
         """Launch the decode step that follows ``decode`` if every sequence goes on: input ids
         ``tokens`` (on the device, not yet read), positions one further, in blocks already held.
-        Not when every sequence reaches its token limit now."""
+        Not when every sequence ends now (token or context limit): a running sequence's next
+        position is always below the context limit."""
         positions = [p + 1 for p in decode.positions]
         bs = self.block_size
         pairs = list(zip(seqs, positions, strict=True))
         if (not self.config.async_scheduling
-                or any(p // bs >= len(s.block_table) or p >= self.max_model_len for s, p in pairs)
+                or any(p // bs >= len(s.block_table) for s, p in pairs)
                 or all(len(s.output_token_ids) + 1 >= s.params.max_tokens
                        or p + 1 >= self.max_model_len for s, p in pairs)):
             return
@@ -349,23 +350,13 @@ def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor, extra: list[torch.
     """Queue the copy to the host of token ids [B] (negative ids read as such), each row's
     logprob of its token and the 1-D ``extra`` tensors, in one transfer (ints < 2**53 and fp32
     values are exact in fp64); the returned function waits for it and gives (ids, logprobs,
-    each extra as a list). On CUDA the copy goes to pinned memory behind an event, so work
-    queued after it (a step launched ahead) does not delay the read."""
+    each extra as a list). Work queued after it (a step launched ahead) does not delay the read
+    (``to_host_later``)."""
     chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
     parts = [tokens, chosen, *extra]
-    flat = torch.cat([t.double() for t in parts])
+    read = to_host_later(torch.cat([t.double() for t in parts]))
     sizes = [t.numel() for t in parts]
-    if not flat.is_cuda:
-        return lambda: _split(flat.tolist(), sizes)
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def wait() -> tuple[list[int], list[float], list[list[float]]]:
-        copied.synchronize()
-        return _split(host.tolist(), sizes)
-    return wait
+    return lambda: _split(read(), sizes)
 
 
 def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:

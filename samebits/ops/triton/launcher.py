@@ -128,8 +128,7 @@ class Launcher:
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
-        self.compiled: dict[tuple, object] = {}
-        self._launch: dict[tuple, Callable] = {}
+        self._launch: dict[tuple, Callable] = {}  # (device, key) -> _bind(compiled kernel)
         self._ids: dict[tuple, int] = {}
 
     def intern(self, key: tuple) -> int:
@@ -143,7 +142,6 @@ class Launcher:
         if launch is None:
             compiled = self.kernel[grid](*_host_args(args), **options)
             if compiled is not None and hasattr(compiled, "run"):  # None under the interpreter
-                self.compiled[(device, key)] = compiled
                 self._launch[(device, key)] = _bind(compiled)
             return
         launch(grid, torch._C._cuda_getCurrentRawStream(device), args)
@@ -158,8 +156,9 @@ _TENSOR_MAPS = 512  # encoded tensor maps kept per compiled kernel
 
 
 def _bind(compiled) -> Callable[[tuple, int, tuple], None]:
-    """``launch(grid, stream, args)`` for one compiled kernel: the C launcher itself where the
-    layout is known, no hook is set and no scratch is needed, else ``compiled.run``."""
+    """``launch(grid, stream, args)`` for one compiled kernel (``launch.compiled``): the C
+    launcher itself where the layout is known, no hook is set and no scratch is needed, else
+    ``compiled.run``."""
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
     descs = [i for i, ty in enumerate(compiled.src.signature.values())
              if isinstance(ty, str) and ty.startswith("tensordesc")]
@@ -184,7 +183,7 @@ def _bind(compiled) -> Callable[[tuple, int, tuple], None]:
         meta = None if enter is None else compiled.launch_metadata(grid, stream, *args)
         run(gx, gy, gz, stream, function, packed, meta, enter, leave, *args)
 
-    launch.direct = direct
+    launch.compiled, launch.direct = compiled, direct
     return launch
 
 
