@@ -190,7 +190,7 @@ class _Captured:
                  carry: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.CUDAGraph]:
         if carry is None:
             graph = torch.cuda.CUDAGraph()
-            with _capture_into(graph, pool):
+            with _capture_into(graph, pool, model.ops):
                 self._unstage()
                 self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
             return [graph]
@@ -198,7 +198,7 @@ class _Captured:
         carry_h, carry_r = carry[0][:self.size], carry[1][:self.size]
         for j, layers in enumerate(pieces):
             graphs.append(torch.cuda.CUDAGraph())
-            with _capture_into(graphs[-1], pool):
+            with _capture_into(graphs[-1], pool, model.ops):
                 if j == 0:
                     self._unstage()
                     h, r = model.embed(self.input_ids), None
@@ -239,13 +239,14 @@ class _Captured:
 
 
 @contextlib.contextmanager
-def _capture_into(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
-    """``torch.cuda.graph`` with the garbage collector paused: a collection mid-capture runs
-    finalizers whose CUDA calls (freeing events, pinned buffers) can invalidate the capture."""
+def _capture_into(graph: torch.cuda.CUDAGraph, pool, ops) -> Iterator[None]:
+    """``torch.cuda.graph`` under ``ops.as_captured()`` (the variants the warm-up compiled), with
+    the garbage collector paused: a collection mid-capture runs finalizers whose CUDA calls
+    (freeing events, pinned buffers) can invalidate the capture."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool), ops.as_captured():
             yield
     finally:
         if enabled:

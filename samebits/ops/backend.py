@@ -140,8 +140,9 @@ class GraphableBackend(OpBackend, Protocol):
         ...
 
     def as_captured(self) -> AbstractContextManager[None]:
-        """Eager ops inside launch the very kernels a graph capture launches: the warm-up run
-        before a capture compiles and loads them all, so none is compiled while capturing."""
+        """Ops inside launch the kernel variants of the engine's graphs; the engine warms up and
+        captures under it, so the warm-up compiles and loads every kernel the capture launches
+        and none is compiled while capturing."""
         ...
 
 
@@ -195,12 +196,20 @@ def register(device_type: str, batch_invariant: bool):
 
 def get_backend(device: torch.device | str, batch_invariant: bool) -> OpBackend:
     """The one place a backend is chosen. Backends hold no state, so one instance per (device
-    type, mode) serves every caller."""
-    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    backend = _INSTANCES.get((device_type, batch_invariant))
+    type, mode) serves every caller; the choice is remembered per device as given (one lookup
+    per eager op)."""
+    backend = _CHOSEN.get((device, batch_invariant))
+    if backend is None:
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        backend = _CHOSEN[(device, batch_invariant)] = _instance(device_type, batch_invariant)
+    return backend
+
+
+def _instance(device_type: str, batch_invariant: bool) -> OpBackend:
+    key = (device_type, batch_invariant)
+    backend = _INSTANCES.get(key)
     if backend is None:
         _load_builtin_backends(device_type)
-        key = (device_type, batch_invariant)
         if key not in _REGISTRY:
             mode = "batch-invariant" if batch_invariant else "standard"
             raise ValueError(f"no {mode} op backend for device {device_type!r}")
@@ -209,6 +218,7 @@ def get_backend(device: torch.device | str, batch_invariant: bool) -> OpBackend:
 
 
 _INSTANCES: dict[tuple[str, bool], OpBackend] = {}
+_CHOSEN: dict[tuple[torch.device | str, bool], OpBackend] = {}
 
 
 def _load_builtin_backends(device_type: str) -> None:

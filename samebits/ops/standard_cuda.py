@@ -77,8 +77,8 @@ class StandardCudaBackend(StandardBackend):
         return dataclasses.replace(meta, plan=plan)
 
     def as_captured(self) -> AbstractContextManager[None]:
-        """The paged attention's Triton kernels as in a capture (stock ops launch the same way
-        in and out of one)."""
+        """The paged attention's Triton kernels as in the engine's graphs (stock ops launch the
+        same way in and out of them)."""
         return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

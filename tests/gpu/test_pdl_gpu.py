@@ -50,11 +50,16 @@ def test_pdl_chain_in_a_graph_equals_the_chain_in_stream_order(m):
     x = torch.randn(m, H, device="cuda").bfloat16()
     assert not launcher.programmatic(x)  # eager: plain stream order
     want = _chain(x, weights)
+    with launcher.as_captured():
+        _chain(x, weights)  # the engine's warm-up: compiles the PDL variants
+    plain = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(plain):
+        plain_with_pdl = launcher.programmatic(x)  # a capture outside as_captured: eager variants
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), launcher.as_captured():
         captured_with_pdl = launcher.programmatic(x)
         out = _chain(x, weights)
-    assert captured_with_pdl
+    assert captured_with_pdl and not plain_with_pdl
     for _ in range(20):
         out.zero_()
         graph.replay()
@@ -63,8 +68,8 @@ def test_pdl_chain_in_a_graph_equals_the_chain_in_stream_order(m):
 
 
 def test_warm_up_as_captured_leaves_nothing_to_compile_in_the_capture():
-    """The engine warms up under ``as_captured`` before each capture: the capture's kernel
-    variants (PDL on) are then compiled already. In fp16, a dtype no other GPU test's captures
+    """The engine warms up and captures under ``as_captured``: the capture's kernel variants
+    (PDL on) are then compiled already. In fp16, a dtype no other GPU test's captures
     use, so no earlier test compiled these variants (Triton specializes on dtypes and on the
     divisibility of sizes, not on their values)."""
     if not launcher._programmatic_device(torch.cuda.current_device()):
@@ -83,7 +88,7 @@ def test_warm_up_as_captured_leaves_nothing_to_compile_in_the_capture():
         torch.cuda.synchronize()
         warmed = len(compiled)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph), launcher.as_captured():  # as the engine captures
             out = _chain(x, weights)
     finally:
         runtime.jit_post_compile_hook = old

@@ -98,7 +98,7 @@ class TritonBackend:
         return dataclasses.replace(meta, plan=plan)
 
     def as_captured(self) -> AbstractContextManager[None]:
-        """Programmatic dependent launch on, as in a capture (launcher.py)."""
+        """Programmatic dependent launch on: the engine's graph variants (launcher.py)."""
         return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -18,6 +18,8 @@ goes through ``kernel[grid]``.
 On a Triton whose launcher layout is known (``_DIRECT_VERSIONS``) and with no launch hooks set,
 the call skips ``CompiledKernel.run``'s Python wrapper too and calls the generated C launcher with
 the arguments that wrapper would pass (no scratch buffers: kernels that need them take the wrapper).
+The leanest route is ``Launcher.direct``: the caller passes data pointers as ints (the C launcher
+then skips its driver query per pointer) and tensor descriptors already encoded, which it caches.
 """
 
 from __future__ import annotations
@@ -60,17 +62,13 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 def programmatic(t: torch.Tensor) -> bool:
     """Launch kernels on ``t``'s device with programmatic dependent launch (``launch_pdl`` and
-    the kernel's ``PDL`` constexpr): while a CUDA graph is being captured (decode steps) or under
-    ``as_captured``, on compute capability 9+, with a Triton that has grid dependency control. It
-    only moves launches earlier, never changes a result. Other eager launches keep plain stream
-    order: there the host's launch cost, not the device's, sets the pace, and an eager PDL launch
-    after a graph replay measured slower (H100)."""
-    return (t.is_cuda and _programmatic_device(t.get_device())
-            and (_capturing() or _AS_CAPTURED.get()))
-
-
-def _capturing() -> bool:
-    return torch._C._cuda_isCurrentStreamCapturing()
+    the kernel's ``PDL`` constexpr): under ``as_captured`` (the engine's graph warm-ups and
+    captures), on compute capability 9+, with a Triton that has grid dependency control. It only
+    moves launches earlier, never changes a result. Other launches keep plain stream order: an
+    eager caller's pace is set by the host's launch cost, an eager PDL launch after a graph replay
+    measured slower (H100), and a capture outside ``as_captured`` then launches the variants its
+    eager warm-up compiled. One ContextVar read per launch, no driver call."""
+    return _AS_CAPTURED.get() and t.is_cuda and _programmatic_device(t.get_device())
 
 
 _AS_CAPTURED = contextvars.ContextVar("as_captured", default=False)
@@ -78,10 +76,10 @@ _AS_CAPTURED = contextvars.ContextVar("as_captured", default=False)
 
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
-    """Eager launches inside take the kernel variants a graph capture takes (``programmatic``).
-    The warm-up run before a capture runs under it, so every kernel the capture launches is
-    compiled and loaded before: nothing is compiled while capturing (a module load or a stray
-    host call then can invalidate the capture)."""
+    """Launches inside take the engine's graph variants (``programmatic``). The engine runs
+    both its warm-up and its capture under it, so every kernel the capture launches is compiled
+    and loaded before: nothing is compiled while capturing (a module load or a stray host call
+    then can invalidate the capture)."""
     token = _AS_CAPTURED.set(True)
     try:
         yield
@@ -100,6 +98,15 @@ def aligned(*ts: torch.Tensor | None) -> int:
     bits = 0
     for i, t in enumerate(ts):
         if t is not None and t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def alignment(*ptrs: int) -> int:
+    """``aligned`` of the tensors with these data pointers."""
+    bits = 0
+    for i, ptr in enumerate(ptrs):
+        if not ptr & 15:
             bits |= 1 << i
     return bits
 
@@ -124,11 +131,16 @@ class Launcher:
     """``Launcher(kernel)(key, grid, *args, **options)`` == ``kernel[grid](*args, **options)``,
     with the compiled kernel looked up by ``key`` after the first call. ``args`` are every kernel
     parameter in order, constexprs included (positionally); tensor-descriptor parameters take a
-    ``Descriptor``."""
+    ``Descriptor``.
+
+    ``direct(key)`` is the lean route for a caller that has built the C launcher's arguments
+    itself (pointers as ints, descriptors expanded by ``Direct.tensor_maps``): one check for launch
+    hooks and one dict lookup."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self._launch: dict[tuple, Callable] = {}  # (device, key) -> _bind(compiled kernel)
+        self._direct: dict[tuple, Direct] = {}  # (device, key) -> its C launcher, where known
         self._ids: dict[tuple, int] = {}
 
     def intern(self, key: tuple) -> int:
@@ -142,9 +154,20 @@ class Launcher:
         if launch is None:
             compiled = self.kernel[grid](*_host_args(args), **options)
             if compiled is not None and hasattr(compiled, "run"):  # None under the interpreter
-                self._launch[(device, key)] = _bind(compiled)
+                direct = _direct(compiled, device)
+                self._launch[(device, key)] = _bind(compiled, direct)
+                if direct is not None:
+                    self._direct[(device, key)] = direct
             return
         launch(grid, torch._C._cuda_getCurrentRawStream(device), args)
+
+    def direct(self, key: int | tuple) -> Direct | None:
+        """The compiled kernel of ``key`` on the current device as a ``Direct`` launch; None
+        before the key's first ``__call__`` there, on a Triton whose launcher layout is not
+        known, and while a launch hook is set (``__call__`` honours hooks)."""
+        if not self._direct or _hooked():
+            return None
+        return self._direct.get((torch._C._cuda_getDevice(), key))
 
 
 # Triton versions whose CudaLauncher.__call__ passes (grid, stream, function, cooperative, pdl,
@@ -152,38 +175,73 @@ class Launcher:
 # to the generated C launcher, and whose descriptor arguments expand through
 # ``make_tensordesc_arg(descriptor, metadata)``.
 _DIRECT_VERSIONS = ("3.6.",)
-_TENSOR_MAPS = 512  # encoded tensor maps kept per compiled kernel
 
 
-def _bind(compiled) -> Callable[[tuple, int, tuple], None]:
-    """``launch(grid, stream, args)`` for one compiled kernel (``launch.compiled``): the C
-    launcher itself where the layout is known, no hook is set and no scratch is needed, else
+class Direct(NamedTuple):
+    """One compiled kernel's generated C launcher, called as ``direct(grid, args)``: ``grid`` a
+    3-tuple, ``args`` every kernel parameter in order with pointers as ints (or tensors: the C
+    launcher then asks the driver about each pointer) and each tensor descriptor replaced by the
+    encoded arguments ``tensor_maps`` returns. Launches on the current stream of ``device``."""
+
+    launch: Callable
+    device: int
+    function: int
+    cooperative: int
+    pdl: int
+    packed: tuple
+    metas: tuple  # the compiled kernel's tensor-descriptor metadata, in parameter order
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple | list) -> None:
+        self.launch(*grid, torch._C._cuda_getCurrentRawStream(self.device), self.function,
+                    self.cooperative, self.pdl, None, None, self.packed, None, None, None, *args)
+
+    def tensor_maps(self, descriptors: tuple[Descriptor, ...]) -> tuple:
+        """The C launcher's arguments for the kernel's descriptor parameters, in order: each
+        one's encoded tensor map, shape and strides (``make_tensordesc_arg``). A pure function
+        of the tensors' addresses, shapes, strides, dtypes and the blocks: callers cache it."""
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        return tuple(a for d, meta in zip(descriptors, self.metas, strict=True)
+                     for a in make_tensordesc_arg(d.host(), meta))
+
+
+def _direct(compiled, device: int) -> Direct | None:
+    """The C launcher of ``compiled`` where its layout is known (``_DIRECT_VERSIONS``) and no
+    scratch buffer is needed, else None."""
+    run = compiled.run
+    descs = [ty for ty in compiled.src.signature.values()
+             if isinstance(ty, str) and ty.startswith("tensordesc")]
+    metas = tuple(getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descs))
+    c_launch = _raw(getattr(run, "launch", None)) if descs else getattr(run, "launch", None)
+    if not (triton.__version__.startswith(_DIRECT_VERSIONS)
+            and isinstance(c_launch, types.BuiltinFunctionType)
+            and not getattr(run, "global_scratch_size", 1)
+            and not getattr(run, "profile_scratch_size", 1)
+            and all(m is not None for m in metas)):
+        return None
+    return Direct(c_launch, device, compiled.function, getattr(run, "launch_cooperative_grid", 0),
+                  getattr(run, "launch_pdl", 0), compiled.packed_metadata, metas)
+
+
+def _bind(compiled, direct: Direct | None) -> Callable[[tuple, int, tuple], None]:
+    """``launch(grid, stream, args)`` for one compiled kernel (``launch.compiled``): ``direct``
+    where there is one, the kernel takes no tensor descriptor and no hook is set, else
     ``compiled.run``."""
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
-    descs = [i for i, ty in enumerate(compiled.src.signature.values())
-             if isinstance(ty, str) and ty.startswith("tensordesc")]
-    metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descs)
-    c_launch = _raw(getattr(run, "launch", None)) if descs else getattr(run, "launch", None)
-    direct = (triton.__version__.startswith(_DIRECT_VERSIONS)
-              and isinstance(c_launch, types.BuiltinFunctionType)
-              and not getattr(run, "global_scratch_size", 1)
-              and not getattr(run, "profile_scratch_size", 1)
-              and all(m is not None for m in metas))
-    cooperative, pdl = getattr(run, "launch_cooperative_grid", 0), getattr(run, "launch_pdl", 0)
-    expand = _expander(descs, metas) if descs and direct else None
+    descs = any(isinstance(ty, str) and ty.startswith("tensordesc")
+                for ty in compiled.src.signature.values())
+    direct = None if descs else direct
 
     def launch(grid: tuple, stream: int, args: tuple) -> None:
         gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
-        enter, leave = _hooks()
-        if direct and enter is None and leave is None:
-            c_launch(gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None,
-                     None, None, *(args if expand is None else expand(args)))
+        if direct is not None and not _hooked():
+            direct((gx, gy, gz), args)
             return
         args = _host_args(args) if descs else args
+        enter, leave = _hooks()
         meta = None if enter is None else compiled.launch_metadata(grid, stream, *args)
         run(gx, gy, gz, stream, function, packed, meta, enter, leave, *args)
 
-    launch.compiled, launch.direct = compiled, direct
+    launch.compiled, launch.direct = compiled, direct is not None
     return launch
 
 
@@ -195,39 +253,22 @@ def _raw(wrapper):
     return raw[0] if len(raw) == 1 else None
 
 
-def _expander(descs: list[int], metas: list) -> Callable[[tuple], list]:
-    """args -> the C launcher's arguments: each ``Descriptor`` at ``descs`` replaced by its
-    encoded tensor map, shape and strides (``make_tensordesc_arg``), cached by address, shape,
-    strides and block."""
-    from triton.backends.nvidia.driver import make_tensordesc_arg
-    maps: dict[tuple, list] = {}
-
-    def expand(args: tuple) -> list:
-        out, prev = [], 0
-        for j, i in enumerate(descs):
-            d = args[i]
-            t = d.tensor
-            key = (j, t.data_ptr(), t.shape, t.stride(), t.dtype, d.block)
-            encoded = maps.get(key)
-            if encoded is None:
-                if len(maps) >= _TENSOR_MAPS:
-                    maps.clear()
-                encoded = maps[key] = make_tensordesc_arg(d.host(), metas[j])
-            out.extend(args[prev:i])
-            out.extend(encoded)
-            prev = i + 1
-        out.extend(args[prev:])
-        return out
-
-    return expand
-
-
 def _hooks() -> tuple[Callable | None, Callable | None]:
     """The launch enter and exit hooks, None where none is set (an empty hook chain counts as
     none: the C launcher would call it on every launch)."""
     if knobs is None:
         return None, None
     return _set(knobs.runtime.launch_enter_hook), _set(knobs.runtime.launch_exit_hook)
+
+
+def _hooked() -> bool:
+    """Whether a launch enter or exit hook is set (``_hooks`` not both None)."""
+    if knobs is None:
+        return False
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 def _set(hook: Callable | None) -> Callable | None:

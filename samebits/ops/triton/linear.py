@@ -33,7 +33,7 @@ import triton
 
 from samebits.ops.backend import KBounds, check_k_bounds
 from samebits.ops.triton import linear_kernels as K
-from samebits.ops.triton.launcher import Descriptor, Launcher, aligned, programmatic
+from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
 SPLIT_MAX_M = 64  # at or below this many rows, segments run as separate programs (split-K)
@@ -124,11 +124,13 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
         return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
     if m <= 32:
         return GemmConfig(32, 32, 256, 4, 4, prefetch=PREFETCH)
-    if m <= 64:
-        return GemmConfig(64, 64, 128, 4, 4, prefetch=PREFETCH)
-    if m <= 128:  # tiles picked on the H200 sweep (benchmarks/NOTES-kernels.md)
+    if m <= 64:  # N <= 4096: 32-column tiles, else 64 tiles would leave half the SMs idle
         if n <= 4096:
-            return GemmConfig(64, 64, 256, 4, 3, tma=True)
+            return GemmConfig(64, 32, 256, 4, 4, prefetch=PREFETCH)
+        return GemmConfig(64, 64, 128, 4, 4, prefetch=PREFETCH)
+    if m <= 128:  # tiles picked on H200 and H100 sweeps (benchmarks/NOTES-kernels.md)
+        if n <= 4096:
+            return GemmConfig(64, 64, 128, 4, 6, tma=True)
         return GemmConfig(64, 128, 128, 4, 4, tma=True)
     if m <= 1024 and n < 16384:
         return GemmConfig(64, 128, 128, 4, 4, tma=True)
@@ -186,18 +188,44 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         w = w if w.stride(-1) == 1 else w.contiguous()
         contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
     bias = b if b is not None else x
+    px, pw, pb, po = x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr()
     p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
               None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
-              segments, split, programmatic(x), aligned(x, w, bias, out), contiguous)
+              segments, split, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
     if p.tma:
-        (bm, bk), (bn, _) = p.blocks
+        _run_tma(p, x, w, bias, out, (px, pw, po, pb))
+        return
+    target, pt = out, po
+    if p.partials:
+        target = x.new_empty(p.partials, m, n, dtype=torch.float32)
+        pt = target.data_ptr()
+    direct = _LINEAR.direct(p.key)
+    if direct is not None:
+        direct(p.grid, (px, pw, pb, pt, *p.tail))
+    else:
+        _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
+    if p.partials:
+        _SUM_PARTIALS(p.sum_key, p.sum_grid, target, bias, out, *p.sum_tail, **p.sum_options)
+
+
+def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+             ptrs: tuple[int, int, int, int]) -> None:
+    """The persistent TMA launch of plan ``p``; ``ptrs``: the data pointers of x, w, out and the
+    bias. The tensor maps of x, w and out are encoded once per (plan, addresses)."""
+    (bm, bk), (bn, _) = p.blocks
+    direct = _TMA.direct(p.key)
+    if direct is None:
         _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
              Descriptor(out, (bm, bn)), bias, *p.tail, **p.options)
         return
-    target = out if p.partials == 0 else x.new_empty(p.partials, m, n, dtype=torch.float32)
-    _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
-    if p.partials:
-        _SUM_PARTIALS(p.sum_key, p.sum_grid, target, bias, out, *p.sum_tail, **p.sum_options)
+    where = (p.key, p.tail[0], *ptrs[:3])  # the key and M fix shapes, strides and blocks
+    maps = _TENSOR_MAPS.get(where)
+    if maps is None:
+        if len(_TENSOR_MAPS) >= TENSOR_MAPS_KEPT:
+            _TENSOR_MAPS.clear()
+        maps = _TENSOR_MAPS[where] = direct.tensor_maps(
+            (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))))
+    direct(p.grid, (*maps, ptrs[3], *p.tail))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,13 +236,13 @@ class _Plan:
 
     tma: bool
     key: int
-    grid: tuple[int, ...]
+    grid: tuple[int, int, int]
     tail: tuple
     options: dict
     blocks: tuple[tuple[int, int], ...] = ()  # TMA: (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K)
     partials: int = 0
     sum_key: int = 0
-    sum_grid: tuple[int, ...] = ()
+    sum_grid: tuple[int, int, int] = (1, 1, 1)
     sum_tail: tuple = ()
     sum_options: dict = dataclasses.field(default_factory=dict)
 
@@ -223,13 +251,13 @@ class _Plan:
 def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
           out_dtype: torch.dtype, keep: bool, b_dtype: torch.dtype | None, stride_x: int,
           stride_w: int, stride_o: int, cfg: GemmConfig | None,
-          segments: int | SegmentLayout | None, split: bool | None, pdl: bool, align: int,
-          contiguous: bool) -> _Plan:
+          segments: int | SegmentLayout | None, split: bool | None, pdl: bool,
+          offsets: tuple[int, int, int, int], contiguous: bool) -> _Plan:
     """The launches of ``run`` for these shapes, strides, dtypes (``b_dtype`` None: no bias),
-    pointer alignments (bits of x, w, bias, out) and contiguity; ``keep``: ``out`` is [S, M, N]
-    and receives the partials. Every launch key holds what Triton specializes on, including the
-    integer width of the unspecialized M * N (i64 from 2**31)."""
-    has_bias, wide = b_dtype is not None, m * n >= 2 ** 31
+    pointer offsets (the data pointers of x, w, bias and out mod 16) and contiguity; ``keep``:
+    ``out`` is [S, M, N] and receives the partials. Every launch key holds what Triton
+    specializes on, including the integer width of the unspecialized M * N (i64 from 2**31)."""
+    has_bias, wide, align = b_dtype is not None, m * n >= 2 ** 31, alignment(*offsets)
     cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
     segments = num_segments(k, n) if segments is None else segments
     layout = _uniform(k, segments) if isinstance(segments, int) else segments
@@ -252,7 +280,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
             even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
             cfg.num_warps * 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    plan = _Plan(False, key, (tiles, segs if split else 1), tail, options)
+    plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options)
     if not fresh:
         return plan
     block = 1024
@@ -260,7 +288,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
         plan, partials=segs,
         sum_key=_SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align >> 2, wide,
                                       (m * n) % 16 == 0, m * n == 1)),  # MN is specialized
-        sum_grid=(triton.cdiv(m * n, block),), sum_tail=(m * n, n, segs, has_bias, block, pdl),
+        sum_grid=(triton.cdiv(m * n, block), 1, 1), sum_tail=(m * n, n, segs, has_bias, block, pdl),
         sum_options=dict(num_warps=4, launch_pdl=pdl))
 
 
@@ -276,7 +304,7 @@ def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype
     tail = (m, n, k, has_bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, pdl)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
-    return _Plan(True, key, (programs,), tail, options, blocks)
+    return _Plan(True, key, (programs, 1, 1), tail, options, blocks)
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,6 +315,8 @@ def _uniform(k: int, segments: int) -> SegmentLayout:
 _LINEAR = Launcher(K._linear_kernel)
 _SUM_PARTIALS = Launcher(K._sum_partials_kernel)
 _TMA = Launcher(K._linear_tma_kernel)
+TENSOR_MAPS_KEPT = 512
+_TENSOR_MAPS: dict[tuple, tuple] = {}  # (TMA key, M, x, w, out addresses) -> encoded maps
 
 
 def _tma_ok(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype, k: int, n: int,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.ops.triton.launcher import Launcher, aligned, programmatic, wait_for_inputs
+from samebits.ops.triton.launcher import Launcher, alignment, programmatic, wait_for_inputs
 
 MAX_BLOCK = 65536
 # fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
@@ -85,39 +85,67 @@ def _shape(h: int) -> tuple[int, int, int]:
 
 def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    h = x.shape[-1]
-    flat = x.dim() == 2
-    x2 = x if flat else x.reshape(-1, h)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    m = x2.shape[0]
-    out = x2.new_empty((m, h), dtype=_out_dtype(w.dtype, x.dtype))
-    summed = x2.new_empty((m, h)) if r is not None else None
-    r2 = x2 if r is None else r if r.dim() == 2 and r.is_contiguous() else \
-        r.reshape(-1, h).contiguous()
-    if m:
-        key, grid, tail, options = _plan(m, h, x2.dtype, r2.dtype, w.dtype, x2.stride(0),
-                                         r2.stride(0), eps, r is not None, programmatic(x2),
-                                         aligned(x2, r2, w))
-        _RMS_NORM(key, grid, x2, r2, w, out, summed if summed is not None else out, *tail,
-                  **options)
-    if flat:
+    """rms_norm(x (+ r)) and the sum; one launch, its pointers passed to the C launcher as ints
+    (``Launcher.direct``). Written for the host time of a 2-D contiguous call: each tensor
+    attribute is read once."""
+    strides, m_h = x.stride(), x.shape
+    if len(strides) != 2 or strides[1] != 1 or (r is not None and (r.dim() != 2
+                                                                    or r.stride(-1) != 1)):
+        return _launch_rows(x, r, w, eps)
+    (m, h), stride_x = m_h, strides[0]
+    dtype, w_dtype = x.dtype, w.dtype
+    out_dtype = dtype if w_dtype == dtype else _out_dtype(w_dtype, dtype)
+    contiguous = stride_x == h
+    out = torch.empty_like(x) if contiguous and out_dtype == dtype else \
+        x.new_empty(m_h, dtype=out_dtype)
+    summed = None if r is None else torch.empty_like(x) if contiguous else x.new_empty(m_h)
+    if not m:
         return out, summed
+    px, pw, po = x.data_ptr(), w.data_ptr(), out.data_ptr()
+    if r is None:
+        pr, r_dtype, stride_r, ps = px, dtype, stride_x, po
+    else:
+        pr, r_dtype, stride_r, ps = r.data_ptr(), r.dtype, r.stride(0), summed.data_ptr()
+    key, grid, tail, options = _plan(m, h, dtype, r_dtype, w_dtype, stride_x, stride_r, eps,
+                                     r is not None, programmatic(x), px & 15, pr & 15, pw & 15)
+    direct = _RMS_NORM.direct(key)
+    if direct is not None:
+        direct(grid, (px, pr, pw, po, ps, *tail))
+    else:
+        _RMS_NORM(key, grid, x, x if r is None else r, w, out, out if summed is None else summed,
+                  *tail, **options)
+    return out, summed
+
+
+def _launch_rows(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_launch`` of any shape: over x (and r) as [rows, H] with unit column stride."""
+    h = x.shape[-1]
+    out, summed = _launch(_rows(x), None if r is None else _rows(r), w, eps)
     lead = x.shape[:-1]
     return out.reshape(*lead, h), (summed.reshape(*lead, h) if summed is not None else None)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, H] with unit column stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, h: int, x_dtype: torch.dtype, r_dtype: torch.dtype, w_dtype: torch.dtype,
-          stride_x: int, stride_r: int, eps: float, has_res: bool, pdl: bool, align: int
-          ) -> tuple[int, tuple[int], tuple, dict]:
-    """(launch key, grid, the arguments after the tensors, launch options) of one call; the
-    outputs are new [M, H] tensors (stride H, aligned)."""
+          stride_x: int, stride_r: int, eps: float, has_res: bool, pdl: bool,
+          *offsets: int) -> tuple[int, tuple[int, int, int], tuple, dict]:
+    """(launch key, grid, the arguments after the tensors, launch options) of one call;
+    ``offsets``: x's, r's and w's data pointers mod 16. The outputs are new [M, H] tensors
+    (stride H, aligned)."""
     rows, block, warps = _shape(h)
     key = _RMS_NORM.intern((x_dtype, r_dtype, w_dtype, h, stride_x, stride_r, eps, has_res, pdl,
-                            align))
+                            alignment(*offsets)))
     tail = (m, h, stride_x, stride_r, h, h, eps, has_res, rows, block, pdl)
-    return key, (triton.cdiv(m, rows),), tail, dict(num_warps=warps,
-                                                     enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
+    return key, (triton.cdiv(m, rows), 1, 1), tail, dict(num_warps=warps,
+                                                           enable_fp_fusion=FP_FUSION,
+                                                           launch_pdl=pdl)
 
 
 @functools.cache
