@@ -18,6 +18,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM, SamplingParams  # noqa: E402
+from samebits.engine.runner import ModelRunner  # noqa: E402
 from tests.determinism.workload import run_shuffled  # noqa: E402
 
 CONFIG = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
@@ -100,6 +101,23 @@ def test_gpu_async_scheduling_changes_no_bit(reference, async_scheduling):
     assert _diff(got, [(t[:n], lp[:n]) for (t, lp), n in zip(want, lengths, strict=True)]) == []
     used = llm.engine.runner.ahead_steps_used
     assert used > 0 if async_scheduling else used == 0
+
+
+def test_gpu_async_negative_control_wrong_ahead_ids_differ(reference, monkeypatch):
+    """Control for the test above: steps launched ahead that read wrong input ids (each sampled
+    token shifted by one) and are served change the bits -- the comparison sees what a served
+    step computed."""
+    real = ModelRunner._launch_ahead
+
+    def shifted(self, seqs, decode, tokens):
+        real(self, seqs, decode, torch.where(tokens > 0, tokens - 1, tokens + 1))
+
+    monkeypatch.setattr(ModelRunner, "_launch_ahead", shifted)
+    reqs, want = reference
+    llm = _llm(max_num_seqs=16, async_scheduling=True)
+    got = run_shuffled(llm, reqs, 4)
+    assert llm.engine.runner.ahead_steps_used > 0
+    assert _diff(got, want) != []
 
 
 def test_gpu_negative_control_standard_mode_differs(reference):

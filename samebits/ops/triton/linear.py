@@ -211,21 +211,24 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
 def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
              ptrs: tuple[int, int, int, int]) -> None:
     """The persistent TMA launch of plan ``p``; ``ptrs``: the data pointers of x, w, out and the
-    bias. The tensor maps of x, w and out are encoded once per (plan, addresses)."""
-    (bm, bk), (bn, _) = p.blocks
+    bias. The C launcher's arguments (the tensor maps of x, w and out encoded) are built once per
+    (plan, addresses)."""
     direct = _TMA.direct(p.key)
     if direct is None:
+        (bm, bk), (bn, _) = p.blocks
         _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
              Descriptor(out, (bm, bn)), bias, *p.tail, **p.options)
         return
-    where = (p.key, p.tail[0], *ptrs[:3])  # the key and M fix shapes, strides and blocks
-    maps = _TENSOR_MAPS.get(where)
-    if maps is None:
-        if len(_TENSOR_MAPS) >= TENSOR_MAPS_KEPT:
-            _TENSOR_MAPS.clear()
-        maps = _TENSOR_MAPS[where] = direct.tensor_maps(
+    where = (p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
+    args = _TMA_ARGS.get(where)
+    if args is None:
+        if len(_TMA_ARGS) >= TMA_ARGS_KEPT:
+            _TMA_ARGS.clear()
+        (bm, bk), (bn, _) = p.blocks
+        maps = direct.tensor_maps(
             (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))))
-    direct(p.grid, (*maps, ptrs[3], *p.tail))
+        args = _TMA_ARGS[where] = (*maps, ptrs[3], *p.tail)
+    direct(p.grid, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,8 +318,8 @@ def _uniform(k: int, segments: int) -> SegmentLayout:
 _LINEAR = Launcher(K._linear_kernel)
 _SUM_PARTIALS = Launcher(K._sum_partials_kernel)
 _TMA = Launcher(K._linear_tma_kernel)
-TENSOR_MAPS_KEPT = 512
-_TENSOR_MAPS: dict[tuple, tuple] = {}  # (TMA key, M, x, w, out addresses) -> encoded maps
+TMA_ARGS_KEPT = 512
+_TMA_ARGS: dict[tuple, tuple] = {}  # (TMA key, M, x, w, out, bias addresses) -> C launcher args
 
 
 def _tma_ok(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype, k: int, n: int,
