@@ -50,13 +50,15 @@ def test_cached_launches_equal_the_first_launch_bitwise(m, offset):
 def test_direct_route_is_taken_on_known_triton_and_hooks_route_through_run():
     x, w, wn = _inputs(16)
     expected = _ops(x, w, wn)
-    launches = [f for table in (L._LINEAR._launch, N._RMS_NORM._launch) for f in table.values()]
-    assert launches
+    dev = torch.cuda.current_device()
+    keys = [(ops, key) for ops in (L._LINEAR, N._RMS_NORM) for d, key in ops._launch if d == dev]
+    assert keys
     known = triton.__version__.startswith(launcher._DIRECT_VERSIONS)
-    assert all(f.direct == known for f in launches)
+    assert all((ops.direct(key, dev) is not None) == known for ops, key in keys)
     seen, original = [], launcher.knobs.runtime.launch_enter_hook
     try:
         launcher.knobs.runtime.launch_enter_hook = seen.append
+        assert all(ops.direct(key, dev) is None for ops, key in keys)
         hooked = _ops(x, w, wn)
     finally:
         launcher.knobs.runtime.launch_enter_hook = original
@@ -65,11 +67,12 @@ def test_direct_route_is_taken_on_known_triton_and_hooks_route_through_run():
 
 
 def test_tensor_maps_are_not_reused_across_shapes_at_one_address():
-    """The TMA route caches encoded tensor maps by address, shape, strides and block: a longer
-    view of the same storage must not run with the shorter view's map (rows past it would read
-    as zeros)."""
+    """The TMA route caches its C launcher's arguments (the encoded tensor maps) by launch key,
+    M and addresses: a longer view of the same storage must not run with the shorter view's map
+    (rows past it would read as zeros)."""
     x, w, _ = _inputs(128)
     assert L.pick_config(96, OUT, K, x.dtype).tma
+    L.linear(x[:80].clone(), w)  # compiles the key: the calls below take the cached route
     short = L.linear(x[:80], w)
     full = L.linear(x[:96], w)
     assert torch.equal(full[:80], short)
@@ -86,3 +89,18 @@ def test_unaligned_pointers_get_their_own_launch_key():
                     tuple(t.data_ptr() % 16 for t in (x, w, x, x)), True).key
             for x in (aligned_x, unaligned_x)}
     assert len(keys) == 2
+
+
+def test_tensors_on_another_device_are_refused_after_the_launch_is_cached():
+    """The cached route passes pointers as ints (no driver check): a weight on the CPU must
+    still be refused with a clear error, never read through a host address."""
+    x, w, wn = _inputs(16)
+    _ops(x, w, wn)  # cached
+    with pytest.raises(ValueError, match="w on cpu"):
+        N.rms_norm(x, wn.cpu(), 1e-6)
+    with pytest.raises(ValueError, match="w on cpu"):
+        L.linear(x, w.cpu())
+    with pytest.raises(ValueError, match="residual on cpu"):
+        N.add_rms_norm(x, x.cpu(), wn, 1e-6)
+    with pytest.raises(ValueError, match="cpu"):  # all on the CPU: Triton's checked route
+        N.rms_norm(x.cpu(), wn.cpu(), 1e-6)

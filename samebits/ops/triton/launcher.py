@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -113,8 +114,9 @@ def alignment(*ptrs: int) -> int:
 
 class Descriptor(NamedTuple):
     """A tensor-descriptor (TMA) argument: ``tensor`` loaded or stored in ``block``-shaped tiles.
-    A Launcher builds Triton's host descriptor from it; on the direct route it reuses the tensor
-    map encoded for an equal (address, shape, strides, block), a pure function of them."""
+    ``Launcher.__call__`` builds Triton's host descriptor from it; ``Direct.tensor_maps`` encodes
+    it for the C launcher (a pure function of address, shape, strides, dtype and block, which
+    callers cache)."""
 
     tensor: torch.Tensor
     block: tuple[int, ...]
@@ -142,11 +144,13 @@ class Launcher:
         self._launch: dict[tuple, Callable] = {}  # (device, key) -> _bind(compiled kernel)
         self._direct: dict[tuple, Direct] = {}  # (device, key) -> its C launcher, where known
         self._ids: dict[tuple, int] = {}
+        self._lock = threading.Lock()
 
     def intern(self, key: tuple) -> int:
         """A small int standing for ``key`` (one per distinct key), to build once per cached
         plan and pass as the launch key: a lookup then hashes one int, not the whole key."""
-        return self._ids.setdefault(key, len(self._ids))
+        with self._lock:  # two threads must not give two keys one id
+            return self._ids.setdefault(key, len(self._ids))
 
     def __call__(self, key: tuple, grid: tuple[int, ...], *args, **options) -> None:
         device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1
@@ -161,13 +165,15 @@ class Launcher:
             return
         launch(grid, torch._C._cuda_getCurrentRawStream(device), args)
 
-    def direct(self, key: int | tuple) -> Direct | None:
-        """The compiled kernel of ``key`` on the current device as a ``Direct`` launch; None
-        before the key's first ``__call__`` there, on a Triton whose launcher layout is not
-        known, and while a launch hook is set (``__call__`` honours hooks)."""
-        if not self._direct or _hooked():
+    def direct(self, key: int | tuple, device: int) -> Direct | None:
+        """The compiled kernel of ``key`` as a ``Direct`` launch on ``device`` (the index of the
+        tensors' GPU, ``get_device()``); None before the key's first ``__call__`` there, on a
+        Triton whose launcher layout is not known, while a launch hook is set (``__call__``
+        honours hooks), and when ``device`` is not the current device (a CPU tensor's is -1):
+        ``__call__`` then takes Triton's route, which checks every pointer."""
+        if not self._direct or _hooked() or device != torch._C._cuda_getDevice():
             return None
-        return self._direct.get((torch._C._cuda_getDevice(), key))
+        return self._direct.get((device, key))
 
 
 # Triton versions whose CudaLauncher.__call__ passes (grid, stream, function, cooperative, pdl,
@@ -194,6 +200,11 @@ class Direct(NamedTuple):
     def __call__(self, grid: tuple[int, int, int], args: tuple | list) -> None:
         self.launch(*grid, torch._C._cuda_getCurrentRawStream(self.device), self.function,
                     self.cooperative, self.pdl, None, None, self.packed, None, None, None, *args)
+
+    def on(self, stream: int, grid: tuple[int, int, int], args: tuple | list) -> None:
+        """``direct(grid, args)`` on ``stream``."""
+        self.launch(*grid, stream, self.function, self.cooperative, self.pdl, None, None,
+                    self.packed, None, None, None, *args)
 
     def tensor_maps(self, descriptors: tuple[Descriptor, ...]) -> tuple:
         """The C launcher's arguments for the kernel's descriptor parameters, in order: each
@@ -234,7 +245,7 @@ def _bind(compiled, direct: Direct | None) -> Callable[[tuple, int, tuple], None
     def launch(grid: tuple, stream: int, args: tuple) -> None:
         gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
         if direct is not None and not _hooked():
-            direct((gx, gy, gz), args)
+            direct.on(stream, (gx, gy, gz), args)
             return
         args = _host_args(args) if descs else args
         enter, leave = _hooks()

@@ -188,18 +188,22 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         w = w if w.stride(-1) == 1 else w.contiguous()
         contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
     bias = b if b is not None else x
+    device = x.get_device()
+    if w.get_device() != device or bias.get_device() != device or out.get_device() != device:
+        raise ValueError(f"linear: x is on {x.device}, w on {w.device}, out on {out.device}"
+                         + ("" if b is None else f", b on {b.device}"))
     px, pw, pb, po = x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr()
     p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
               None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
               segments, split, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
     if p.tma:
-        _run_tma(p, x, w, bias, out, (px, pw, po, pb))
+        _run_tma(p, x, w, bias, out, (px, pw, po, pb), device)
         return
     target, pt = out, po
     if p.partials:
         target = x.new_empty(p.partials, m, n, dtype=torch.float32)
         pt = target.data_ptr()
-    direct = _LINEAR.direct(p.key)
+    direct = _LINEAR.direct(p.key, device)
     if direct is not None:
         direct(p.grid, (px, pw, pb, pt, *p.tail))
     else:
@@ -209,11 +213,11 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
 
 
 def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-             ptrs: tuple[int, int, int, int]) -> None:
+             ptrs: tuple[int, int, int, int], device: int) -> None:
     """The persistent TMA launch of plan ``p``; ``ptrs``: the data pointers of x, w, out and the
     bias. The C launcher's arguments (the tensor maps of x, w and out encoded) are built once per
     (plan, addresses)."""
-    direct = _TMA.direct(p.key)
+    direct = _TMA.direct(p.key, device)
     if direct is None:
         (bm, bk), (bn, _) = p.blocks
         _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),

@@ -101,6 +101,10 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
     summed = None if r is None else torch.empty_like(x) if contiguous else x.new_empty(m_h)
     if not m:
         return out, summed
+    device = x.get_device()
+    if w.get_device() != device or (r is not None and r.get_device() != device):
+        raise ValueError(f"rms_norm: x is on {x.device}, w on {w.device}"
+                         + ("" if r is None else f", residual on {r.device}"))
     px, pw, po = x.data_ptr(), w.data_ptr(), out.data_ptr()
     if r is None:
         pr, r_dtype, stride_r, ps = px, dtype, stride_x, po
@@ -108,7 +112,7 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float
         pr, r_dtype, stride_r, ps = r.data_ptr(), r.dtype, r.stride(0), summed.data_ptr()
     key, grid, tail, options = _plan(m, h, dtype, r_dtype, w_dtype, stride_x, stride_r, eps,
                                      r is not None, programmatic(x), px & 15, pr & 15, pw & 15)
-    direct = _RMS_NORM.direct(key)
+    direct = _RMS_NORM.direct(key, device)
     if direct is not None:
         direct(grid, (px, pr, pw, po, ps, *tail))
     else:
