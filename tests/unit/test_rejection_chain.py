@@ -130,10 +130,10 @@ def test_chain_draws_the_sorted_definitions_token(kind: str) -> None:
 
 def test_chain_walks_past_rejected_candidates_resumes_and_falls_back_when_out_of_steps() -> None:
     # flat rows with tight filters: the unfiltered argmax is rarely kept
-    logits = _rows("uniform", 12, seed=3)
-    params = [SP(top_p=0.05), SP(top_p=0.3), SP(min_p=0.995), SP(top_k=3)] * 3
-    seeds = list(range(100, 112))
-    want = sampler.sample_sorted(logits, params, seeds, [0] * 12)
+    logits = _rows("uniform", 8, seed=3)
+    params = [SP(top_p=0.05), SP(top_p=0.3), SP(min_p=0.995), SP(top_k=3)] * 2
+    seeds = list(range(100, 108))
+    want = sampler.sample_sorted(logits, params, seeds, [0] * 8)
     table, kmax = _table(params, seeds, 0)
     undecided = []
     for steps in (0, 1, 2, 5):
@@ -141,12 +141,12 @@ def test_chain_walks_past_rejected_candidates_resumes_and_falls_back_when_out_of
         assert got == _emulated(logits, params, seeds, 0, steps), steps
         assert all(g in (w, -1) for g, w in zip(got, want, strict=True))
         undecided.append(got.count(-1))
-    assert undecided[0] == 12  # no step: every filtered row falls back
+    assert undecided[0] == 8  # no step: every filtered row falls back
     assert undecided[1] > undecided[2] > undecided[3] > 0
     # later rounds resume from the saved state: the same chain whatever the round boundaries
     assert chain.draw(logits, table, kmax, 1, 11, **SMALL) == _emulated(logits, params, seeds, 0, 11)
     for steps, max_steps in [(0, 0), (1, 1), (1, 11)]:
-        assert sampler.sample_chained(logits, params, seeds, [0] * 12, steps, max_steps,
+        assert sampler.sample_chained(logits, params, seeds, [0] * 8, steps, max_steps,
                                       **SMALL) == want
 
 
@@ -170,7 +170,7 @@ def test_chain_row_token_ignores_batch_chunk_and_block() -> None:
     index = [r % 3 for r in range(12)]
     batch = sampler.sample_chained(logits, params, seeds, index, **SMALL)
     assert batch == sampler.sample_sorted(logits, params, seeds, index)
-    for r in (0, 3, 7, 11):
+    for r in (0, 7):  # one row of each kind
         one = sampler.sample_chained(logits[r:r + 1], [params[r]], [seeds[r]], [index[r]], **SMALL)
         assert one == [batch[r]], r
     order = [11, 2, 5, 0, 8]
