@@ -5,7 +5,8 @@ the summary; ratio = trainer tokens/s / HF tokens/s (the goal is >= 0.8).
 
 One step = the logprob of every token given its prefix (all positions of every sequence), summed,
 and its backward into every weight. Tokens/s counts every token of the batch. Timed with CUDA
-synchronisation around each step, median of ``--iters`` after ``--warmup`` steps.
+synchronisation around each step, median of ``--iters`` after ``--warmup`` steps, HF and trainer
+steps alternating.
 
     PYTHONPATH=$PWD python benchmarks/train_throughput.py [--config benchmarks/configs/qwen3-0.6b.json]
 """
@@ -28,17 +29,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(step, warmup: int, iters: int) -> float:
+def _time(steps: list, warmup: int, iters: int) -> list[float]:
+    """Median seconds of each step, the steps alternating (the host's speed drifts: a step
+    taken now and one taken seconds later are not comparable)."""
     for _ in range(warmup):
-        step()
-    times = []
+        for step in steps:
+            step()
+    times = [[] for _ in steps]
     for _ in range(iters):
-        _sync()
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for step, ts in zip(steps, times, strict=True):
+            _sync()
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main() -> None:
@@ -47,7 +52,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x512,32x128,4x1024",
                     help="comma-separated BATCHxLENGTH trainer batches")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=11)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu for a smoke run")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--formula-backward", action="store_true",
@@ -94,8 +99,10 @@ def main() -> None:
             torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum().backward()
 
         tokens = b * n
-        t_hf = float("nan") if args.skip_hf else _time(hf_step, args.warmup, args.iters)
-        t_tl = _time(trainer_step, args.warmup, args.iters)
+        if args.skip_hf:
+            t_hf, (t_tl,) = float("nan"), _time([trainer_step], args.warmup, args.iters)
+        else:
+            t_hf, t_tl = _time([hf_step, trainer_step], args.warmup, args.iters)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

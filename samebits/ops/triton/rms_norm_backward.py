@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.ops.triton.launcher import Launcher, alignment
 from samebits.ops.triton.rms_norm import _shape
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tiles_per_prog"])  # one compile serves every row count
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, gx_ptr, gw_ptr, M, H, stride_x, stride_g,
                          stride_gx, eps, tiles_per_prog, NEED_GX: tl.constexpr,
                          NEED_GW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -50,6 +51,9 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, gx_ptr, gw_ptr, M, H, stride_x, st
         tl.store(gw_ptr + pid * BLOCK + cols, acc, mask=cmask)
 
 
+_BACKWARD = Launcher(_rms_norm_bwd_kernel)
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -72,10 +76,16 @@ def rms_norm_backward(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, eps:
     gx = torch.empty_like(x2) if need_gx else None
     part = torch.empty(progs, block, dtype=torch.float32, device=x.device) if need_gw else None
     if progs:
-        _rms_norm_bwd_kernel[(progs,)](
-            x2, w, g2, gx if gx is not None else x2, part if part is not None else x2, m, h,
-            x2.stride(0), g2.stride(0), gx.stride(0) if gx is not None else 0, eps, per,
-            NEED_GX=need_gx, NEED_GW=need_gw, ROWS=rows, BLOCK=block, num_warps=warps)
+        tensors = (x2, w, g2, gx if gx is not None else x2, part if part is not None else x2)
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        tail = (m, h, x2.stride(0), g2.stride(0), gx.stride(0) if gx is not None else 0, eps, per,
+                need_gx, need_gw, rows, block)
+        key = (x2.dtype, w.dtype, g2.dtype, *tail[1:5], need_gx, need_gw, alignment(*ptrs))
+        direct = _BACKWARD.direct(key, x2.get_device())
+        if direct is not None:
+            direct((progs, 1, 1), (*ptrs, *tail))
+        else:
+            _BACKWARD(key, (progs, 1, 1), *tensors, *tail, num_warps=warps)
     gw = None
     if need_gw:
         gw = (part[:, :h].sum(0) if progs else torch.zeros(h, device=x.device)).to(w.dtype)
