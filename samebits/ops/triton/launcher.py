@@ -135,9 +135,9 @@ class Launcher:
     parameter in order, constexprs included (positionally); tensor-descriptor parameters take a
     ``Descriptor``.
 
-    ``direct(key)`` is the lean route for a caller that has built the C launcher's arguments
-    itself (pointers as ints, descriptors expanded by ``Direct.tensor_maps``): one check for launch
-    hooks and one dict lookup."""
+    ``direct(key, device)`` is the lean route for a caller that has built the C launcher's
+    arguments itself (pointers as ints, descriptors expanded by ``Direct.tensor_maps``): a check
+    for launch hooks, one of the device and one dict lookup."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -252,7 +252,7 @@ def _bind(compiled, direct: Direct | None) -> Callable[[tuple, int, tuple], None
         meta = None if enter is None else compiled.launch_metadata(grid, stream, *args)
         run(gx, gy, gz, stream, function, packed, meta, enter, leave, *args)
 
-    launch.compiled, launch.direct = compiled, direct is not None
+    launch.compiled = compiled
     return launch
 
 
