@@ -96,11 +96,7 @@ def _programmatic_device(index: int) -> bool:
 def aligned(*ts: torch.Tensor | None) -> int:
     """Bit i set when tensor i's data pointer is 16-byte aligned (Triton's pointer
     specialization), for a launch key."""
-    bits = 0
-    for i, t in enumerate(ts):
-        if t is not None and t.data_ptr() % 16 == 0:
-            bits |= 1 << i
-    return bits
+    return alignment(*(1 if t is None else t.data_ptr() for t in ts))  # None: no bit
 
 
 def alignment(*ptrs: int) -> int:
@@ -198,8 +194,7 @@ class Direct(NamedTuple):
     metas: tuple  # the compiled kernel's tensor-descriptor metadata, in parameter order
 
     def __call__(self, grid: tuple[int, int, int], args: tuple | list) -> None:
-        self.launch(*grid, torch._C._cuda_getCurrentRawStream(self.device), self.function,
-                    self.cooperative, self.pdl, None, None, self.packed, None, None, None, *args)
+        self.on(torch._C._cuda_getCurrentRawStream(self.device), grid, args)
 
     def on(self, stream: int, grid: tuple[int, int, int], args: tuple | list) -> None:
         """``direct(grid, args)`` on ``stream``."""
@@ -277,9 +272,8 @@ def _hooked() -> bool:
     if knobs is None:
         return False
     runtime = knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return bool((enter is not None and getattr(enter, "calls", True))
-                or (leave is not None and getattr(leave, "calls", True)))
+    return (_set(runtime.launch_enter_hook) is not None
+            or _set(runtime.launch_exit_hook) is not None)
 
 
 def _set(hook: Callable | None) -> Callable | None:
