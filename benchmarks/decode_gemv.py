@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import us
 
 from samebits.ops.triton import linear as L
-from samebits.roofline import copy_bandwidth
+from samebits.tools.roofline import copy_bandwidth
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
 

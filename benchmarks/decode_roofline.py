@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from samebits import LLM, SamplingParams
-from samebits.roofline import copy_bandwidth
+from samebits.tools.roofline import copy_bandwidth
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -10,7 +10,7 @@ import json
 import time
 
 from samebits.loader import resolve_model_dir
-from samebits.tokenizer import Tokenizer
+from samebits.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from samebits import LLM, SamplingParams
-from samebits.bench import add_arguments, workload
+from samebits.tools.bench import add_arguments, workload
 
 
 def _timed_steps(llm: LLM, prompts: list, params: SamplingParams) -> dict:

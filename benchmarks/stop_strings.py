@@ -10,9 +10,9 @@ import argparse
 import json
 import time
 
-from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.loader import resolve_model_dir
-from samebits.tokenizer import Tokenizer
+from samebits.text.detokenizer import IncrementalDetokenizer
+from samebits.text.tokenizer import Tokenizer
 
 TEXT = ("Reproducible inference means that the same request returns the same answer. "
         "Les chats dorment seize heures par jour. 日本語のテキスト 🙂. def f(x): return x * 2\n")

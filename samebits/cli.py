@@ -43,11 +43,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Local: the same prompts alone and in one batch. ``--url``: audit that server
-    (samebits.audit). Exit 0 only when no bit differs."""
+    (samebits.tools.audit). Exit 0 only when no bit differs."""
     if args.url is not None:
         return _verify_url(args)
     from samebits import SamplingParams
-    from samebits.verify import compare, plot, report
+    from samebits.tools.verify import compare, plot, report
     llm = _llm(args)
     prompts = [f"Write a short note number {i} about reproducibility." for i in range(args.n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=1234)
@@ -73,8 +73,8 @@ def _pairs(out) -> list[tuple[int, float]]:
 def _verify_url(args: argparse.Namespace) -> int:
     import openai
 
-    from samebits.audit import AuditConfig, audit
-    from samebits.verify import plot, report
+    from samebits.tools.audit import AuditConfig, audit
+    from samebits.tools.verify import plot, report
     config = AuditConfig(args.url, args.api_key, args.model, concurrency=args.n,
                          num_prompts=args.n, max_tokens=args.max_tokens)
     try:
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="throughput, invariant vs standard, JSON lines",
                            formatter_class=HELP)
-    from samebits import bench as bench_module
+    from samebits.tools import bench as bench_module
     bench_module.add_arguments(bench)
     bench.set_defaults(func=lambda a: bench_module.run_both(a) or 0)
     return parser

@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from samebits.chat_template import render_chat
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.sequence import RequestOutput, Sequence
 from samebits.sampling_params import SamplingParams, choice_seed
+from samebits.text.chat_template import render_chat
 
 PromptInput = str | list[int] | dict[str, Any]  # {"prompt": str} or {"prompt_token_ids": [...]}
 
@@ -87,7 +87,7 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``) to each conversation, with
-        ``tools`` and extra template variables, then generate (samebits.chat_template)."""
+        ``tools`` and extra template variables, then generate (samebits.text.chat_template)."""
         self._require_generate()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from samebits.config import EngineConfig
-from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
@@ -24,6 +23,7 @@ from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, 
 from samebits.loader import LoadedModel, load
 from samebits.models.weights import update_weights
 from samebits.sampling_params import SamplingParams
+from samebits.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from samebits.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from samebits.engine.sequence import Sequence
-    from samebits.tokenizer import Tokenizer
+    from samebits.text.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",

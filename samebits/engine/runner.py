@@ -15,10 +15,10 @@ from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
+from samebits.engine.transfer import to_device, to_host_later
 from samebits.loader import LoadedModel
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
-from samebits.transfer import to_device, to_host_later
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from samebits.engine.transfer import to_device
 from samebits.sampling_params import SamplingParams
-from samebits.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 _MASS_SCALE = 2.0 ** 32  # top-p mass unit: 2**-32 of the most likely token's weight

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.sampling_params import SamplingParams
+from samebits.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from samebits.engine.grammar import GrammarState

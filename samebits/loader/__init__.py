@@ -16,7 +16,7 @@ from samebits.loader import dummy, hf
 from samebits.models.llama import LlamaForCausalLM
 from samebits.models.registry import model_class
 from samebits.ops.backend import get_backend
-from samebits.tokenizer import Tokenizer
+from samebits.text.tokenizer import Tokenizer
 
 ENGINE_VERSION = "0.1.0"
 

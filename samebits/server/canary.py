@@ -2,7 +2,7 @@
 
 A finished request is sampled with probability ``rate`` (a generator seeded by the server's seed,
 so a run's choice of requests is reproducible). Its prompt, sampling parameters and the seed it
-used are queued with the hash of what was served (``samebits.output_hash``). When the engine has
+used are queued with the hash of what was served (``samebits.server.output_hash``). When the engine has
 nothing else to do, the engine thread replays one queued request as a batch of one with the prefix
 cache bypassed, and compares hashes: in the invariant numerics they must agree, whatever batch
 the request was served in. New work preempts a replay (it is aborted and queued again), so the
@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 from samebits.engine.engine import LLMEngine
 from samebits.engine.sequence import Sequence
-from samebits.output_hash import output_hash
 from samebits.sampling_params import SamplingParams
 from samebits.server.metrics import Metrics
+from samebits.server.output_hash import output_hash
 
 log = logging.getLogger("samebits.server")
 MAX_PENDING = 256  # replays queued beyond this are dropped (counted in samebits_canary_dropped)

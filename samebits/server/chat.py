@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.chat_template import render_chat
 from samebits.engine.sequence import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
@@ -43,6 +42,7 @@ from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tokens import TextStream
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
+from samebits.text.chat_template import render_chat
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,

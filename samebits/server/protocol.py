@@ -303,7 +303,7 @@ class _Response(BaseModel):
     model: str
     system_fingerprint: str
     seed: int  # the request's seed; choice i used seed + i (per prompt)
-    # streams only, on the last chunk: samebits.output_hash of all choices (the
+    # streams only, on the last chunk: samebits.server.output_hash of all choices (the
     # X-Samebits-Output-Hash header of a non-streamed response); absent elsewhere
     output_hash: str | None = Field(None, exclude_if=lambda v: v is None)
 

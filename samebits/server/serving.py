@@ -17,7 +17,6 @@ from starlette.background import BackgroundTask
 
 from samebits.engine.grammar import GrammarCompiler
 from samebits.engine.sequence import CompletionOutput
-from samebits.output_hash import HEADER, output_hash
 from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.async_engine import (
     RETRY_AFTER_S,
@@ -27,10 +26,11 @@ from samebits.server.async_engine import (
     RequestGroup,
 )
 from samebits.server.errors import APIError, from_value_error
+from samebits.server.output_hash import HEADER, output_hash
 from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
 from samebits.server.tokens import TokenText
 from samebits.structured_outputs import StructuredOutputsParams
-from samebits.tokenizer import Tokenizer
+from samebits.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -202,7 +202,7 @@ def cached_tokens(group: RequestGroup, candidates: int) -> int:
 
 
 def hash_outputs(outputs: list[CompletionOutput]) -> str:
-    """samebits.output_hash of a response's choices, in choice order."""
+    """samebits.server.output_hash of a response's choices, in choice order."""
     return output_hash((o.token_ids, o.logprobs) for o in outputs)
 
 

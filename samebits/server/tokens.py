@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from samebits.engine.detokenizer import IncrementalDetokenizer
-from samebits.tokenizer import Tokenizer
+from samebits.text.detokenizer import IncrementalDetokenizer
+from samebits.text.tokenizer import Tokenizer
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -8,7 +8,7 @@ import struct
 
 import httpx
 
-from samebits.output_hash import HEADER, output_hash
+from samebits.server.output_hash import HEADER, output_hash
 
 REQ = dict(model="SmolLM2-135M-Instruct", prompt="Name three colours.", max_tokens=6,
            temperature=0.9, seed=7)

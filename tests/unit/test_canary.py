@@ -10,10 +10,10 @@ import pytest
 
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
-from samebits.output_hash import output_hash
 from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
+from samebits.server.output_hash import output_hash
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from samebits.engine.detokenizer import MAX_WINDOW, IncrementalDetokenizer
 from samebits.loader import resolve_model_dir
-from samebits.tokenizer import Tokenizer
+from samebits.text.detokenizer import MAX_WINDOW, IncrementalDetokenizer
+from samebits.text.tokenizer import Tokenizer
 
 TEXT = ("héllo wörld 日本語 🙂🙂 done. Les chats dorment; def f(x):\n    return x * 2\n"
         "Ünïcödé ✓✓ and “quotes” — STOP here, then more text after the stop string. ")

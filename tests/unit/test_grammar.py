@@ -11,7 +11,7 @@ import xgrammar as xgr
 from samebits.engine.grammar import GrammarCompiler, apply_grammar_masks
 from samebits.loader import resolve_model_dir
 from samebits.structured_outputs import StructuredOutputsParams as SO
-from samebits.tokenizer import Tokenizer
+from samebits.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from samebits.chat_template import render_chat
 from samebits.server.app import read_chat_template
 from samebits.server.errors import APIError
 from samebits.server.protocol import ChatCompletionRequest
 from samebits.server.tools import ToolPlan, ToolStream, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
-from samebits.tokenizer import Tokenizer
+from samebits.text.chat_template import render_chat
+from samebits.text.tokenizer import Tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from samebits.cli import main
-from samebits.verify import compare, first_divergence
+from samebits.tools.verify import compare, first_divergence
 
 
 def test_first_divergence_is_the_first_differing_token_or_the_shorter_length():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from samebits.tokenizer import Tokenizer
+from samebits.text.tokenizer import Tokenizer
 
 TOOLS_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within "

@@ -1,4 +1,4 @@
-"""The remote audit behind ``samebits verify --url``: the four checks of samebits.verify against
+"""The remote audit behind ``samebits verify --url``: the four checks of samebits.tools.verify against
 an OpenAI-compatible server, through the ``openai`` SDK (chat completions with logprobs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 
-from samebits.verify import CheckResult, Output, compare, prompts
+from samebits.tools.verify import CheckResult, Output, compare, prompts
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,9 @@ def run(args: argparse.Namespace, invariant: bool) -> dict:
 
 
 def _limit(args: argparse.Namespace, results: dict) -> dict:
-    """The workload's physical limit (samebits.roofline) and each mode's share of it."""
+    """The workload's physical limit (samebits.tools.roofline) and each mode's share of it."""
     from samebits.config import ModelConfig
-    from samebits.roofline import limit_seconds, measure_ceilings
+    from samebits.tools.roofline import limit_seconds, measure_ceilings
 
     path = Path(args.model or "")
     path = path / "config.json" if path.is_dir() else path
@@ -101,10 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_both(args: argparse.Namespace) -> None:
-    """On CPU the side-by-side run (samebits.bench_cpu); else standard, then invariant (JSON
+    """On CPU the side-by-side run (samebits.tools.bench_cpu); else standard, then invariant (JSON
     line each), then the ratio line and a summary on stderr."""
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
-        from samebits import bench_cpu
+        from samebits.tools import bench_cpu
         bench_cpu.side_by_side(args)
         return
     results = {}

@@ -1,0 +1,1 @@
+"""Text handling: tokenizer, chat templates, incremental detokenization."""

@@ -1,0 +1,1 @@
+"""User-facing tools: verify, audit, bench, roofline."""
