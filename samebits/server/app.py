@@ -37,6 +37,7 @@ from samebits.server.async_engine import AsyncEngine
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingService, create_embedding
+from samebits.server.engine_process import EngineProcess
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from samebits.server.metrics import Metrics
@@ -57,7 +58,7 @@ DEFAULT_EMBED_MODEL_NAME = "all-MiniLM-L6-v2"
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(engine: LLMEngine | None, model_name: str | None,
+def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | None,
               api_key: str | Sequence[str] | None = None, *,
               embedder: Embedder | None = None,
               embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
@@ -306,7 +307,9 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         name = args.served_model_name or embed_model_name(args.model)
         return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
                          **_limits(args))
-    engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
+    config = EngineConfig.from_cli_args(args, seed=args.seed)
+    engine = (LLMEngine(config) if getattr(args, "no_engine_process", False)
+              else EngineProcess(config, args.log_level))
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
     embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
