@@ -15,7 +15,13 @@ output's ``X-Samebits-Output-Hash`` (or the stream's ``output_hash``) must equal
 
 Time to first token: one request at a time (``--ttft-requests`` fresh prompts, so no prefix-cache
 hit), offline ``LLM.generate`` with ``max_tokens=1`` against the first SSE chunk of a streamed
-request; the median per round, the best round.
+request of 16 tokens (the engine goes on stepping while the chunk is sent); the median per round,
+the best round.
+
+Where the time goes: each run's line also gives the engine steps it took and the CPU seconds
+spent (offline: this process; served: the server's processes, the event loop's and the engine's
+apart, from /proc), so a served run that loses time shows whether it took more steps (a different
+schedule) or more CPU (overhead), and on which side.
 
 JSON lines: one per (mode, run) with tok/s, then per mode the ratios served / offline and the TTFT
 difference, each with its target and whether it is met. ``--modes`` picks invariant and/or
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -55,14 +62,30 @@ class Load:
 
 
 # ---- offline ---------------------------------------------------------------------------------
-def offline_run(llm: LLM, load: Load) -> tuple[float, list[str]]:
-    """(generated tok/s, output hash per request) of one ``LLM.generate`` call."""
+def offline_run(llm: LLM, load: Load) -> tuple[float, list[str], dict]:
+    """(generated tok/s, output hash per request, diagnostics) of one ``LLM.generate`` call."""
     params = SamplingParams(max_tokens=load.max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(load.prompts, params)
+    steps, step = [0], llm.engine.step
+
+    def counted():
+        progressed = step()
+        steps[0] += bool(progressed)
+        return progressed
+    llm.engine.step = counted
+    cpu, t0 = _cpu_s(), time.perf_counter()
+    try:
+        outs = llm.generate(load.prompts, params)
+    finally:
+        del llm.engine.step
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / wall, [_hash(o.outputs[0]) for o in outs]
+    diag = {"steps": steps[0], "cpu_s": round(_cpu_s() - cpu, 2)}
+    return tokens / wall, [_hash(o.outputs[0]) for o in outs], diag
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _hash(out) -> str:
@@ -160,15 +183,45 @@ async def _served(url: str, model: str, load: Load, stream: bool) -> tuple[float
     return total / wall, hashes, firsts
 
 
-def served_run(url: str, model: str, load: Load, stream: bool) -> tuple[float, list[str]]:
+def served_run(url: str, model: str, load: Load, stream: bool, pid: int | None = None
+               ) -> tuple[float, list[str], dict]:
+    """(generated tok/s, output hash per request, diagnostics) of one served run; ``pid``: the
+    server's, for its engine steps and CPU seconds."""
+    before = _server_state(url, pid)
     rate, hashes, _ = asyncio.run(_served(url, model, load, stream))
-    return rate, hashes
+    after = _server_state(url, pid)
+    diag = {k: round(after[k] - before[k], 2) for k in before}
+    return rate, hashes, diag
 
 
 def served_ttft_ms(url: str, model: str, prompts: list[list[int]]) -> float:
-    one = Load(prompts, 1, 1)
+    one = Load(prompts, 16, 1)
     _, _, firsts = asyncio.run(_served(url, model, one, stream=True))
     return statistics.median(firsts) * 1e3
+
+
+def _server_state(url: str, pid: int | None) -> dict[str, float]:
+    """Engine steps so far (the batch-size histogram's count) and CPU seconds per thread kind."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    steps = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("samebits_batch_size_count"))
+    return {"steps": steps, **(_thread_cpu_s(pid) if pid is not None else {})}
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of the server's event loop (its main thread), the rest of the server process,
+    and the engine process (its children), from /proc (Linux; empty elsewhere)."""
+    out = {"loop_cpu_s": 0.0, "api_other_cpu_s": 0.0, "engine_cpu_s": 0.0}
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        for p, key in [(pid, None), *((int(c), "engine_cpu_s") for c in children)]:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                fields = open(f"/proc/{p}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+                k = key or ("loop_cpu_s" if int(tid) == pid else "api_other_cpu_s")
+                out[k] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return {}
+    return out
 
 
 # ---- the comparison --------------------------------------------------------------------------
@@ -185,13 +238,13 @@ def engine_options(args: argparse.Namespace, kv_blocks: int) -> dict:
                 max_model_len=args.prompt_len + args.max_tokens + 16)
 
 
-def server_args(opts: dict, standard: bool) -> list[str]:
+def server_args(opts: dict, standard: bool, extra: Sequence[str] = ()) -> list[str]:
     out = ["--device", opts["device"], "--load-format", opts["load_format"],
            "--max-num-seqs", str(opts["max_num_seqs"]), "--num-kv-blocks",
            str(opts["num_kv_blocks"]), "--max-model-len", str(opts["max_model_len"])]
     if opts["model"] is not None:
         out += ["--model", opts["model"]]
-    return out + (["--standard"] if standard else [])
+    return out + (["--standard"] if standard else []) + list(extra)
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> None:
@@ -199,16 +252,16 @@ def run_mode(args: argparse.Namespace, mode: str) -> None:
     opts = engine_options(args, blocks)
     llm = LLM(**opts, batch_invariant=mode == "invariant")
     vocab = llm.engine.loaded.model_config.vocab_size
-    proc, url, model = start_server(server_args(opts, mode == "standard"))
+    proc, url, model = start_server(server_args(opts, mode == "standard", args.serve_args))
     try:
-        _compare(args, mode, llm, url, model, vocab)
+        _compare(args, mode, llm, url, model, vocab, proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
         del llm
 
 
-def _compare(args, mode: str, llm: LLM, url: str, model: str, vocab: int) -> None:
+def _compare(args, mode: str, llm: LLM, url: str, model: str, vocab: int, pid: int) -> None:
     warm = Load(_prompts(args.concurrency, args.prompt_len, vocab, 1), 8, args.concurrency)
     offline_run(llm, warm)
     served_run(url, model, warm, False)
@@ -218,13 +271,14 @@ def _compare(args, mode: str, llm: LLM, url: str, model: str, vocab: int) -> Non
     for r in range(args.rounds):
         load = Load(_prompts(args.requests, args.prompt_len, vocab, 100 + r), args.max_tokens,
                     args.concurrency)
-        rate, expected = offline_run(llm, load)
+        rate, expected, diag = offline_run(llm, load)
         best["offline"] = max(best["offline"], rate)
+        _emit(mode=mode, run="offline", round=r, tok_s=round(rate, 1), **diag)
         for key, stream in (("served", False), ("served_stream", True)):
-            rate, got = served_run(url, model, load, stream)
+            rate, got, diag = served_run(url, model, load, stream, pid)
             best[key] = max(best[key], rate)
             _emit(mode=mode, run=key, round=r, tok_s=round(rate, 1),
-                  bits_equal_offline=got == expected)
+                  bits_equal_offline=got == expected, **diag)
         ttft_prompts = _prompts(args.ttft_requests, args.prompt_len, vocab, 10_000 + r)
         ttft["offline"] = min(ttft["offline"], offline_ttft_ms(llm, ttft_prompts))
         ttft_prompts = _prompts(args.ttft_requests, args.prompt_len, vocab, 20_000 + r)
@@ -264,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["invariant", "standard"],
                    choices=["invariant", "standard"])
+    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                   help="more options for samebits serve (last on the line), e.g. "
+                   "--no-engine-process")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     for name, cpu, gpu in (("requests", 32, 128), ("prompt_len", 128, 512),
