@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from samebits import env
+from samebits.models.moe_config import MoeConfig
 from samebits.models.registry import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES  # noqa: F401
 
 # CPU default prefill chunk: keeps one chunk of the default model (with a few thousand tokens of
@@ -51,6 +52,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None  # the sparse layers' experts (samebits.models.moe); None: dense
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,12 +99,14 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=dict(scaling) if scaling else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get(
+                "qkv_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            moe=MoeConfig.from_hf(cfg, arch),
         )
 
     @classmethod

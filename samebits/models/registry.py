@@ -13,10 +13,13 @@ _MODELS: dict[str, tuple[str, str]] = {  # architecture -> (module, class)
     "MistralForCausalLM": ("samebits.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("samebits.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("samebits.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("samebits.models.moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("samebits.models.moe", "MoeForCausalLM"),
+    "MixtralForCausalLM": ("samebits.models.moe", "MoeForCausalLM"),
     "BertModel": ("samebits.models.bert", "BertModel"),
     "BertForMaskedLM": ("samebits.models.bert", "BertModel"),
 }
-DECODER_ARCHITECTURES = tuple(a for a, (m, _) in _MODELS.items() if m.endswith(".llama"))
+DECODER_ARCHITECTURES = tuple(a for a, (m, _) in _MODELS.items() if m.endswith((".llama", ".moe")))
 ENCODER_ARCHITECTURES = tuple(a for a, (m, _) in _MODELS.items() if m.endswith(".bert"))
 
 
