@@ -17,6 +17,9 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
   (``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, where their modeling
   module is imported): the engine's Triton ``rms_norm`` kernel, one row per lane group, whose bits no
   aten-level mean can reproduce. CPU tensors keep the stock forward (its ``mean`` is overridden);
+- transformers' sparse MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral, where imported): the engine's
+  routing, experts and combine on the block's weights (``samebits.ops.hf_moe``, which says why
+  the block and not its aten ops);
 - the row-parallel linears of an HF decoder (the ``o_proj`` / ``down_proj`` ``nn.Linear`` of a
   module whose ``config`` has ``num_key_value_heads``): the engine's segmented K
   (``samebits.distributed.segments.row_parallel_bounds``). A global module forward pre-hook
@@ -307,6 +310,8 @@ def _route_hf_attention() -> Callable[[], None]:
 
 _HF_RMS_NORMS = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RMSNorm",
                  "qwen3": "Qwen3RMSNorm"}  # HF's formula: w * (x.float() * rsqrt(mean + eps)).to(x)
+_HF_RMS_NORMS.update(qwen3_moe="Qwen3MoeRMSNorm", qwen2_moe="Qwen2MoeRMSNorm",
+                     mixtral="MixtralRMSNorm")  # the MoE decoders' (samebits.ops.hf_moe)
 
 
 def _engine_rms_norm(stock: Callable, module: torch.nn.Module, hidden_states: torch.Tensor
@@ -346,8 +351,10 @@ def _route_hf_rms_norm() -> Callable[[], None]:
 
 
 def _route_hf() -> Callable[[], None]:
+    from samebits.ops.hf_moe import route_hf_moe
     undo_attention, undo_norm = _route_hf_attention(), _route_hf_rms_norm()
-    return lambda: (undo_norm(), undo_attention())
+    undo_moe = route_hf_moe(_busy)
+    return lambda: (undo_moe(), undo_norm(), undo_attention())
 
 
 def is_batch_invariant_enabled() -> bool:
