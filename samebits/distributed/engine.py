@@ -97,6 +97,9 @@ def enable_tensor_parallel(runner, loaded, config: EngineConfig) -> None:
     """Shard ``runner``'s model over ``config.tensor_parallel_size`` ranks (this process is rank
     0)."""
     world = config.tensor_parallel_size
+    if loaded.model_config.moe is not None:
+        raise ValueError(f"tensor_parallel_size={world}: {loaded.model_config.architecture} "
+                         "(mixture of experts) runs on one device only")
     Segments.for_model(loaded.model_config, 0, world)  # N must divide S: fail before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")

@@ -52,7 +52,8 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_moe_matches_transformers(tmp_path, arch, invariant):
     hf_model = write_tiny_moe(arch, tmp_path)
-    llm = LLM(str(tmp_path), batch_invariant=invariant, max_num_batched_tokens=64)
+    llm = LLM(str(tmp_path), batch_invariant=invariant, max_num_batched_tokens=64,
+              num_kv_blocks=64)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 90)]
     _check(llm, hf_model, prompts)
@@ -66,6 +67,7 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path):
     from safetensors import safe_open
     with safe_open(tmp_path / "stacked" / "model.safetensors", "pt") as f:
         assert any(k.endswith("experts.gate_up_proj") for k in f.keys())  # noqa: SIM118
-    a, b = LLM(str(tmp_path / "per_expert")), LLM(str(tmp_path / "stacked"))
+    a = LLM(str(tmp_path / "per_expert"), num_kv_blocks=8)
+    b = LLM(str(tmp_path / "stacked"), num_kv_blocks=8)
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(),
                                                           strict=True))

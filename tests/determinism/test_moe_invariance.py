@@ -18,6 +18,7 @@ from tests.moe_models import write_tiny_moe
 pytest.importorskip("transformers")
 
 NUM = 16
+KV_BLOCKS = 256  # a small cache, quick to allocate (the default is 1 GiB)
 MAX_TOKENS = 12
 
 
@@ -60,12 +61,12 @@ def moe(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_tiny_moe(request.param, path)
     reqs = _requests()
-    return str(path), reqs, _run(LLM(str(path), max_num_seqs=1), reqs, None)
+    return str(path), reqs, _run(LLM(str(path), max_num_seqs=1, num_kv_blocks=KV_BLOCKS), reqs, None)
 
 
 def test_moe_bitwise_equal_alone_and_in_any_batch(moe):
     path, reqs, want = moe
-    assert _mismatches(_run(LLM(path, max_num_seqs=16), reqs, 1), want) == []
+    assert _mismatches(_run(LLM(path, max_num_seqs=16, num_kv_blocks=KV_BLOCKS), reqs, 1), want) == []
 
 
 def test_moe_bitwise_equal_with_chunked_prefill_prefix_hits_and_preemption(moe):
@@ -81,7 +82,7 @@ def test_moe_bitwise_equal_with_chunked_prefill_prefix_hits_and_preemption(moe):
 
 def test_moe_score_of_prompt_plus_generation_equals_generation_logprobs(moe):
     path, reqs, want = moe
-    scored = LLM(path, max_num_batched_tokens=53).score(
+    scored = LLM(path, max_num_batched_tokens=53, num_kv_blocks=KV_BLOCKS).score(
         [p + tokens for (p, _), (tokens, _) in zip(reqs, want, strict=True)])
     for (prompt, _), (_, logprobs), s in zip(reqs, want, scored, strict=True):
         assert s[len(prompt) - 1:] == logprobs
@@ -90,6 +91,7 @@ def test_moe_score_of_prompt_plus_generation_equals_generation_logprobs(moe):
 def test_moe_negative_control_standard_mode_differs_with_batch(moe):
     path, reqs, _ = moe
     some = reqs[:8]  # enough to show the variance
-    alone = _run(LLM(path, max_num_seqs=1, batch_invariant=False), some, None)
-    batched = _run(LLM(path, max_num_seqs=16, batch_invariant=False), reqs, 3)[:8]
+    alone = _run(LLM(path, max_num_seqs=1, batch_invariant=False, num_kv_blocks=KV_BLOCKS), some, None)
+    batched = _run(LLM(path, max_num_seqs=16, batch_invariant=False,
+                           num_kv_blocks=KV_BLOCKS), reqs, 3)[:8]
     assert _mismatches(batched, alone) != [], "standard mode should show batch variance"

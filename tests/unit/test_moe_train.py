@@ -22,6 +22,7 @@ from samebits import LLM, SamplingParams  # noqa: E402
 from samebits.train import TrainableLM  # noqa: E402
 from tests.moe_models import write_tiny_moe  # noqa: E402
 
+KV = dict(num_kv_blocks=128)  # a small cache, quick to allocate
 PROMPTS = [[1 + (7 * i + j) % 250 for j in range(3 + (5 * i) % 37)] for i in range(32)]
 
 
@@ -59,7 +60,7 @@ def _loss(tl: TrainableLM, seqs, starts) -> torch.Tensor:
 
 
 def test_moe_trainer_logprobs_equal_sampled_before_and_after_update(qwen2_dir, tmp_path):
-    llm = LLM(str(qwen2_dir))
+    llm = LLM(str(qwen2_dir), **KV)
     seqs, starts, sampled = _rollout(llm)
     tl = TrainableLM.from_llm(llm)
     assert _mismatches(tl, seqs, starts, sampled) == 0
@@ -73,7 +74,7 @@ def test_moe_trainer_logprobs_equal_sampled_before_and_after_update(qwen2_dir, t
     assert any(not torch.equal(a, b) for a, b in zip(sampled, sampled2, strict=True))
     assert _mismatches(tl, seqs2, starts2, sampled2, batch_sizes=(8, 32)) == 0
     saved = tl.save_pretrained(tmp_path / "saved")
-    seqs3, _, sampled3 = _rollout(LLM(str(saved)))
+    seqs3, _, sampled3 = _rollout(LLM(str(saved), **KV))
     assert seqs3 == seqs2 and all(torch.equal(a, b) for a, b in zip(sampled2, sampled3,
                                                                    strict=True))
     hf = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
@@ -84,7 +85,7 @@ def test_moe_trainer_logprobs_equal_sampled_before_and_after_update(qwen2_dir, t
 
 
 def test_moe_gradients_reach_every_part_are_deterministic_and_match_transformers(qwen2_dir):
-    llm = LLM(str(qwen2_dir))
+    llm = LLM(str(qwen2_dir), **KV)
     seqs, starts, _ = _rollout(llm)
     tl = TrainableLM.from_llm(llm)
     grads = []
@@ -121,7 +122,7 @@ def _hf_grad(hf_grads: dict, name: str) -> torch.Tensor:
 
 def test_moe_standard_mode_trainer_differs_from_its_sampler(qwen2_dir):
     """Negative control: with stock kernels the trainer's prefill is not the sampler's decode."""
-    llm = LLM(str(qwen2_dir), batch_invariant=False)
+    llm = LLM(str(qwen2_dir), batch_invariant=False, **KV)
     seqs, starts, sampled = _rollout(llm)
     assert _mismatches(TrainableLM.from_llm(llm), seqs, starts, sampled, batch_sizes=(32,)) > 0
 
@@ -130,7 +131,7 @@ def test_moe_standard_mode_trainer_differs_from_its_sampler(qwen2_dir):
 def qwen3_sampled(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
     write_tiny_moe("qwen3_moe", path)
-    llm = LLM(str(path))
+    llm = LLM(str(path), **KV)
     prompts = PROMPTS[3:6]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=1.0, seed=7,
                                                 ignore_eos=True))
