@@ -264,10 +264,12 @@ def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        weights: torch.Tensor, shared: torch.Tensor | None,
                        scale: torch.Tensor | None, *, ids: torch.Tensor) -> torch.Tensor:
     """The stock CUDA path (transformers' default): tokens sorted by expert, two
-    ``F.grouped_mm`` over per-expert offsets, SiLU, the stock combine. No host sync."""
+    ``F.grouped_mm`` over per-expert offsets, SiLU, the stock combine. No host sync. Other
+    dtypes than bf16 (grouped_mm's) take the Triton experts."""
     (t, h), k = x.shape, ids.shape[1]
-    if x.dtype != torch.bfloat16:  # grouped_mm's dtype
-        return _experts_loop(x, w13, w2, weights, shared, scale, ids=ids, combine=combine_stock)
+    if x.dtype != torch.bfloat16:  # grouped_mm's dtype; the loop syncs, so no CUDA graphs
+        from samebits.ops.triton import moe as triton_moe
+        return triton_moe.fused_experts(x, w13, w2, weights, shared, scale, ids=ids)
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)

@@ -92,7 +92,7 @@ def test_experts_alone_equal_batched_under_any_tile_and_close_to_cpu(dtype, monk
 def test_expert_output_is_the_bits_of_linear_silu_mul_linear(dtype):
     x, w13, w2, logits = _inputs(4, dtype, seed=1)
     flat = M.route(logits, K, False, False)[1].reshape(-1)
-    cfg = M.pick_config(flat.numel(), E, dtype)
+    cfg = M.pick_config(flat.numel(), E, dtype, True)
     sorted_ids = M.align(flat, E, cfg.block_m)
     act = torch.empty(flat.numel(), INTER, dtype=dtype)
     M.moe_gemm(x, w13, act, sorted_ids, flat, K, True, cfg)

@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from samebits.ops.triton.activation import ACCURATE_EXP, FP_FUSION
+from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 COMBINE_BLOCK = 1024
@@ -52,16 +53,19 @@ class MoeGemmConfig:
     num_stages: int
 
 
-def pick_config(assignments: int, experts: int, dtype: torch.dtype) -> MoeGemmConfig:
-    """Tiles from the mean tokens per routed expert (free to vary: they do not change bits)."""
+def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool
+                ) -> MoeGemmConfig:
+    """Tiles from the mean tokens per routed expert (free to vary: they do not change bits).
+    ``gated`` (gate and up, two accumulators, N = I): narrower N tiles, so a decode step's few
+    experts still spread over every SM."""
     if dtype == torch.float32:  # FMA dots: small tiles
         return MoeGemmConfig(16, 32, 32, 4, 2)
     per_expert = assignments / max(1, min(assignments, experts))
-    if per_expert <= 16:  # decode: one block per expert, a GEMV over its weight tile
-        return MoeGemmConfig(16, 64, 128, 4, 4)
+    if per_expert <= 16:  # decode: one block per expert, a GEMV over its weight tiles
+        return MoeGemmConfig(16, 32 if gated else 64, 128, 4, 4)
     if per_expert <= 64:
         return MoeGemmConfig(32, 64, 128, 4, 4)
-    return MoeGemmConfig(64, 128, 64, 8, 3)
+    return MoeGemmConfig(64, 64 if gated else 128, 64, 4 if gated else 8, 3)
 
 
 def num_slots(assignments: int, experts: int, block_m: int) -> int:
@@ -109,19 +113,21 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
-        block = triton.next_power_of_2(e)
+        block, pdl = max(16, triton.next_power_of_2(e)), programmatic(logits)
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
-                            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block,
-                            RENORM=renormalize, ROUND=round_weights,
-                            num_warps=min(16, max(4, block // 512)))
+                            K_POW2=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block,
+                            RENORM=renormalize, ROUND=round_weights, PDL=pdl,
+                            num_warps=min(16, max(4, block // 512)), launch_pdl=pdl)
     return weights, ids
 
 
 # ---- 2. align -------------------------------------------------------------------------------
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, A, E, SLOTS, BLOCK_A: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr,
+                  PDL: tl.constexpr):
     """One program: ``sorted_ptr[slot]`` = assignment, by expert then assignment index."""
+    wait_for_inputs(PDL)
     for s in range(0, SLOTS, FILL):
         fill = s + tl.arange(0, FILL)
         tl.store(sorted_ptr + fill, tl.zeros([FILL], tl.int32) + A, mask=fill < SLOTS)
@@ -147,9 +153,11 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
     slots = num_slots(a, experts, block_m)
     out = torch.empty(slots, dtype=torch.int32, device=ids.device)
     if a <= ALIGN_ONE_PROGRAM:
-        _align_kernel[(1,)](flat, out, a, experts, slots, BLOCK_A=triton.next_power_of_2(a),
-                            BLOCK_E=triton.next_power_of_2(experts + 1), BLOCK_M=block_m,
-                            FILL=1024, num_warps=8)
+        pdl = programmatic(out)
+        _align_kernel[(1,)](flat, out, a, experts, slots,
+                            BLOCK_A=max(16, triton.next_power_of_2(a)),
+                            BLOCK_E=max(16, triton.next_power_of_2(experts + 1)),
+                            BLOCK_M=block_m, FILL=1024, PDL=pdl, num_warps=8, launch_pdl=pdl)
         return out
     return _align_torch(flat.long(), experts, block_m, out)
 
@@ -173,10 +181,12 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride_xm, stride_we,
                      stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr):
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """GATED: out[a, n] = silu(x[a // k] . w[e, n]) * (x[a // k] . w[e, N + n]) (N = I);
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
     expert alone (one ascending-K dot from zero)."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     block = pid // n_tiles
@@ -234,21 +244,22 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: to
     """Launch step 3 (``gated``: x [T, K], w [E, 2N, K]) or 4 (x [A, K], w [E, N, K]) into
     ``out`` [A, N]."""
     n, k = out.shape[1], x.shape[1]
-    blocks = sorted_ids.numel() // cfg.block_m
+    blocks, pdl = sorted_ids.numel() // cfg.block_m, programmatic(out)
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
         x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-        **_NO_FTZ)
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
+        launch_pdl=pdl, **_NO_FTZ)
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, shared_ptr, scale_ptr, out_ptr, H, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = (sum_j w[t, j] y[t k + j] in rank order + scale[t] shared[t]) in fp32."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -267,11 +278,12 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
             scale: torch.Tensor | None, out: torch.Tensor) -> None:
     t, h = out.shape
     top_k = weights.shape[1]
-    has_shared = shared is not None
+    has_shared, pdl = shared is not None, programmatic(out)
     _combine_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
         y, weights, shared.contiguous() if has_shared else y,
         scale.float().contiguous() if has_shared else weights, out, h, TOP_K=top_k,
-        HAS_SHARED=has_shared, BLOCK=COMBINE_BLOCK, num_warps=4, enable_fp_fusion=False)
+        HAS_SHARED=has_shared, BLOCK=COMBINE_BLOCK, PDL=pdl, num_warps=4,
+        enable_fp_fusion=False, launch_pdl=pdl)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -286,12 +298,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     w13, w2 = _unit_stride(w13), _unit_stride(w2)
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     a = flat.numel()
-    cfg = pick_config(a, experts, x.dtype)
-    sorted_ids = align(flat, experts, cfg.block_m)
+    up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
+                                                                           False)
+    assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
+    sorted_ids = align(flat, experts, up_cfg.block_m)
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, cfg)
+    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg)
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, cfg)
+    moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, down_cfg)
     combine(y, weights.float().contiguous(), shared, scale, out)
     return out
 
