@@ -77,8 +77,9 @@ def num_slots(assignments: int, experts: int, block_m: int) -> int:
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
                   K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                  ROUND: tl.constexpr):
+                  ROUND: tl.constexpr, PDL: tl.constexpr):
     """Token ``program_id(0)``'s top-k experts and weights; depends on its logits alone."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     raw = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf"))
