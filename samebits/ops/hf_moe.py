@@ -8,12 +8,14 @@ imported) runs ``samebits.models.moe.SparseMoeBlock``'s arithmetic on the module
 backend: the engine's bits forward, stock formulas backward. Everything around the block
 (attention, norms, dense MLPs, LM head) stays transformers' code under the aten overrides.
 
-Why the block and not its aten ops: the router's ``torch.topk`` leaves the order of equal
-probabilities to the library and its ``sum`` over k (``norm_topk_prob``) and the experts'
-``sum(dim=1)`` combine reduce k values in torch's vectorized order, not in rank order; Qwen2's
-``F.sigmoid`` gate rounds an element by where it sits in the tensor on CPU; and the experts run
-``grouped_mm`` (or a per-expert loop, by ``experts_implementation``). Routing the block gives
-every one of them the engine's definition. Not routed (the stock forward runs): a block whose
+Why the block and not its aten ops: ``torch.topk`` leaves the order of equal probabilities to
+the library (bf16 router probabilities tie often); the experts' ``act_fn(gate) * up`` runs over
+all routed rows in one call, and torch's CPU SiLU rounds an element by where a multi-threaded
+split lands in its row; the experts' products are ``grouped_mm`` (or a per-expert loop, by
+``experts_implementation``); the ``sum`` over k of the router's ``norm_topk_prob`` and of the
+grouped combine runs in torch's vectorized order once k > 8 (it is sequential up to 8 on the
+CPUs tried); Qwen2's ``F.sigmoid`` gate rounds an element by its place in the tensor on CPU.
+Routing the block gives each of these the engine's definition. Not routed (the stock forward runs): a block whose
 experts are transposed or carry biases, Mixtral with router jitter while training. The router
 module is not called, so ``output_router_logits`` records nothing for a routed block.
 """

@@ -21,9 +21,10 @@ The standard backends run stock PyTorch: ``torch.topk``, per-expert ``F.linear``
 tokens on CPU (``torch.nn.functional.grouped_mm`` on CUDA, the fastest stock path), a
 ``sum`` over k -- the negative control, whose bits follow the batch.
 
-With ``DifferentiableOps`` (the trainer) both ops keep the inner backend's forward bits and take
-the backward of ``_experts_loop`` / ``_route`` over stock ops (deterministic: fixed shapes, and
-on CUDA PyTorch's deterministic index kernels).
+With ``DifferentiableOps`` (the trainer, the HF route) both ops keep the inner backend's forward
+bits and take the backward of stock formulas of the same math -- ``_route_weights`` (torch's
+softmax, the given ids) and ``_experts_loop`` (per-expert ``F.linear``, the ordered combine) --
+deterministic: fixed shapes, and on CUDA PyTorch's deterministic index kernels.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from samebits.ops import cpu_kernels
 from samebits.ops.autograd import _Deterministic, invariant_apply
 from samebits.ops.backend import OpBackend
 
-Route = Callable[[torch.Tensor, int, bool, bool], tuple[torch.Tensor, torch.Tensor]]
 GRAIN = 32768  # torch's intra-op grain: a CPU elementwise call below it runs on one thread
 
 
@@ -58,7 +58,8 @@ def select_experts(ops: OpBackend, logits: torch.Tensor, top_k: int, renormalize
 
 def sigmoid_gate(ops: OpBackend, g: torch.Tensor) -> torch.Tensor:
     """sigmoid(g) in fp32 for g [T, 1], as the backend's row softmax of (g, 0): a row op, so
-    invariant where the backend's softmax is (torch's CPU sigmoid rounds by position)."""
+    invariant where the backend's softmax is (torch's CPU sigmoid rounds an element by where it
+    sits in the tensor: vector body or scalar tail)."""
     z = g.float()
     return ops.softmax(torch.cat([z, torch.zeros_like(z)], dim=-1))[:, 0]
 
