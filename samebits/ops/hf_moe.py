@@ -15,9 +15,10 @@ split lands in its row; the experts' products are ``grouped_mm`` (or a per-exper
 ``experts_implementation``); the ``sum`` over k of the router's ``norm_topk_prob`` and of the
 grouped combine runs in torch's vectorized order once k > 8 (it is sequential up to 8 on the
 CPUs tried); Qwen2's ``F.sigmoid`` gate rounds an element by its place in the tensor on CPU.
-Routing the block gives each of these the engine's definition. Not routed (the stock forward runs): a block whose
-experts are transposed or carry biases, Mixtral with router jitter while training. The router
-module is not called, so ``output_router_logits`` records nothing for a routed block.
+Routing the block gives each of these the engine's definition. Not routed (the stock forward
+runs): a block whose experts are transposed or carry biases, Mixtral with router jitter while
+training. The router module is not called, so ``output_router_logits`` records nothing for a
+routed block.
 """
 
 from __future__ import annotations
