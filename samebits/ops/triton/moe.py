@@ -3,9 +3,9 @@
 Five launches per sparse layer after the router's linear, none of them reading a host value of
 the batch (CUDA graphs capture them):
 
-1. ``_route_kernel``, one program per token: softmax of its fp32 logits (the arithmetic of
-   ``softmax._single_kernel``), the top k by repeated max with ties to the lowest expert id, the
-   renormalization by their rank-order sum (IEEE division), the rounding to the logits' dtype.
+1. ``_route_kernel``, one program per token: softmax of its fp32 logits, the top k by repeated
+   max with ties to the lowest expert id, the renormalization by their rank-order sum (IEEE
+   division), the rounding to the logits' dtype. Its warps and block are functions of E.
 2. align: the (token, rank) assignments ``a = t k + j`` sorted by expert (stable), each expert's
    run padded to whole ``BLOCK_M`` blocks, ``sorted_ids[slot] = a`` (sentinel A for padding):
    ``_align_kernel`` in one program up to ``ALIGN_ONE_PROGRAM`` assignments, torch ops beyond.
@@ -78,7 +78,9 @@ def num_slots(assignments: int, experts: int, block_m: int) -> int:
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
                   K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
                   ROUND: tl.constexpr, PDL: tl.constexpr):
-    """Token ``program_id(0)``'s top-k experts and weights; depends on its logits alone."""
+    """Token ``program_id(0)``'s top-k experts and weights; depends on its logits alone. Each
+    pick is one max over int64 keys (the probability's bits above ``0xFFFF - id``: unique, so
+    the larger probability wins and equal ones go to the lower id, as ``topk_lowest_id``)."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -86,18 +88,19 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
     x = raw.to(tl.float32)
     m = tl.max(x, 0)
     p = tl.exp(x - m) * (1.0 / tl.sum(tl.exp(x - m), 0))
-    p = tl.where(offs < E, p, -1.0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (0xFFFF - offs)
+    key = tl.where(offs < E, key, -1)
     js = tl.arange(0, K_POW2)
     vals = tl.zeros([K_POW2], tl.float32)
     idxs = tl.zeros([K_POW2], tl.int32)
     total = 0.0  # + p_0 is exact: the rank-order sum of samebits.ops.moe._normalized
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), 0), E - 1)  # NaN-safe
-        vals = tl.where(js == j, best, vals)
-        idxs = tl.where(js == j, idx, idxs)
-        total = total + best
-        p = tl.where(offs == idx, -1.0, p)
+        best = tl.max(key, 0)
+        val = (best >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        vals = tl.where(js == j, val, vals)
+        idxs = tl.where(js == j, (0xFFFF - (best & 0xFFFF)).to(tl.int32), idxs)
+        total = total + val
+        key = tl.where(key == best, -1, key)
     if RENORM:
         vals = tl.div_rn(vals, tl.zeros([K_POW2], tl.float32) + total)
     if ROUND:
@@ -118,7 +121,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
                             K_POW2=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block,
                             RENORM=renormalize, ROUND=round_weights, PDL=pdl,
-                            num_warps=min(16, max(4, block // 512)), launch_pdl=pdl)
+                            num_warps=1 if block <= 512 else 4, launch_pdl=pdl)
     return weights, ids
 
 
