@@ -3,7 +3,8 @@
 Route: the top-k ids of the CPU definition (ties to the lowest id), a row's bits alone equal to
 its bits in a batch. Align: the one-program kernel lays assignments out exactly as the torch
 path, every assignment once, every block one expert's. Experts: a token's output bits alone equal
-its bits in any batch and under other tiles; an expert's output is the bits of the Triton
+its bits in any batch, in either layout (one block per assignment, or aligned) and under other
+tiles; an expert's output is the bits of the Triton
 ``linear`` / ``silu_mul`` / ``linear`` on that token; the combine is torch's formula bit for bit;
 all close to the CPU experts. The interpreter's ``tl.dot`` is tests/conftest.py's fixed-order
 model, and it has no bf16 dot: fp32 and fp16 here; tile-shape invariance on the GPU is a Hopper
@@ -82,6 +83,8 @@ def test_experts_alone_equal_batched_under_any_tile_and_close_to_cpu(dtype, monk
     full = _experts(x, w13, w2, w, ids)
     for i in range(6):
         assert torch.equal(_experts(x[i:i + 1], w13, w2, w[i:i + 1], ids[i:i + 1]), full[i:i + 1])
+    monkeypatch.setattr(M, "DIRECT_MAX", 0)  # the aligned layout instead of one per block
+    assert torch.equal(_experts(x, w13, w2, w, ids), full)
     other = M.MoeGemmConfig(32, 16, 16, 4, 2)
     assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch), full)
     ref = ops_moe.experts_cpu(x.float(), w13.float(), w2.float(), w, None, None, ids=ids)

@@ -9,6 +9,8 @@ the batch (CUDA graphs capture them):
 2. align: the (token, rank) assignments ``a = t k + j`` sorted by expert (stable), each expert's
    run padded to whole ``BLOCK_M`` blocks, ``sorted_ids[slot] = a`` (sentinel A for padding):
    ``_align_kernel`` in one program up to ``ALIGN_ONE_PROGRAM`` assignments, torch ops beyond.
+   Up to ``DIRECT_MAX`` assignments (decode of a few sequences, whose experts rarely repeat)
+   no launch: a constant layout gives each assignment a block of its own.
 3. ``_moe_gemm_kernel`` GATED: program (block, N-tile) reads its block's expert id from the
    block's first assignment and computes gate and up of ``BLOCK_N`` columns for the block's
    tokens over ascending K, then ``silu(gate) * up`` with ``activation.py``'s bits. At decode a
@@ -40,6 +42,7 @@ from samebits.ops.triton.activation import ACCURATE_EXP, FP_FUSION
 from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
+DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
 COMBINE_BLOCK = 1024
 _NO_FTZ = {"enable_reflect_ftz": False}
 
@@ -164,6 +167,23 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
                             BLOCK_M=block_m, FILL=1024, PDL=pdl, num_warps=8, launch_pdl=pdl)
         return out
     return _align_torch(flat.long(), experts, block_m, out)
+
+
+_DIRECT: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def direct_layout(assignments: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """Block b holds assignment b alone (the rest sentinels): the layout of any routing, kept
+    per shape (built before a CUDA-graph capture by the warm-up of the same shape)."""
+    key = (assignments, block_m, device)
+    out = _DIRECT.get(key)
+    if out is None:
+        out = torch.full((assignments, block_m), assignments, dtype=torch.int32, device=device)
+        out[:, 0] = torch.arange(assignments, dtype=torch.int32, device=device)
+        out = out.view(-1)
+        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DIRECT[key] = out
+    return out
 
 
 def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tensor
@@ -305,7 +325,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
                                                                            False)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
-    sorted_ids = align(flat, experts, up_cfg.block_m)
+    sorted_ids = (direct_layout(a, up_cfg.block_m, x.device) if a <= DIRECT_MAX else
+                  align(flat, experts, up_cfg.block_m))
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg)
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
