@@ -85,7 +85,8 @@ def e2e(args: argparse.Namespace) -> None:
     for invariant in (False, True):
         llm = LLM(args.model, load_format="dummy", device="cuda", enable_prefix_caching=False,
                   batch_invariant=invariant, max_num_seqs=args.num_prompts,
-                  max_model_len=args.prompt_len + args.gen_len + 16)
+                  max_model_len=args.prompt_len + args.gen_len + 16,
+                  enforce_eager=args.enforce_eager)
         vocab = llm.engine.loaded.model_config.vocab_size
         prompts = [[(7919 * (i + 1) * (j + 3)) % vocab for j in range(args.prompt_len)]
                    for i in range(args.num_prompts)]
@@ -99,7 +100,7 @@ def e2e(args: argparse.Namespace) -> None:
         mode = "invariant" if invariant else "standard"
         results[mode] = generated / seconds
         print(json.dumps({"bench": "moe_e2e", "device": _device(), "mode": mode,
-                          "requests": args.num_prompts, "prompt_len": args.prompt_len,
+                          "cuda_graphs": not args.enforce_eager, "requests": args.num_prompts, "prompt_len": args.prompt_len,
                           "gen_len": args.gen_len, "seconds": round(seconds, 2),
                           "gen_tokens_per_s": round(generated / seconds, 1)}), flush=True)
         del llm, outs
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--gen-len", type=int, default=1024)
+    p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs (A/B)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256, 2048],
                    help="layer: token counts")
     args = p.parse_args()

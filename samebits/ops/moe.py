@@ -81,7 +81,7 @@ def fused_experts(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.
 # ---- dispatch ------------------------------------------------------------------------------
 def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
     if not inner.batch_invariant:
-        return partial(_route, softmax=partial(torch.softmax, dim=-1), topk=_topk_stock)
+        return _route_stock
     if device.type == "cuda":
         from samebits.ops.triton import moe as triton_moe
         return triton_moe.route
@@ -111,8 +111,13 @@ def topk_lowest_id(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return probs.gather(-1, ids), ids
 
 
-def _topk_stock(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.topk(probs, k, dim=-1)
+def _route_stock(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' router: torch's softmax, ``torch.topk``, one ``sum`` over k."""
+    vals, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+    return (vals.to(logits.dtype).float() if round_weights else vals), ids.to(torch.int32)
 
 
 def _route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool, *,
