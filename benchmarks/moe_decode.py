@@ -102,7 +102,8 @@ def e2e(args: argparse.Namespace) -> None:
         print(json.dumps({"bench": "moe_e2e", "device": _device(), "mode": mode,
                           "cuda_graphs": not args.enforce_eager, "requests": args.num_prompts,
                           "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                          "seconds": round(seconds, 2), "gen_tokens_per_s": round(generated / seconds, 1)}), flush=True)
+                          "seconds": round(seconds, 2),
+                          "gen_tokens_per_s": round(generated / seconds, 1)}), flush=True)
         del llm, outs
         gc.collect()
         torch.cuda.empty_cache()
