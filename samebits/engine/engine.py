@@ -6,7 +6,6 @@ bits; that is the ops' job (samebits.ops.backend) and the sampler's (counter-bas
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ class LLMEngine:
     progress; finished ones are forgotten by the engine once returned), ``completion`` (a
     sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats``,
     ``update_weights``, and for pausing a request mid-way ``park`` / ``unpark`` /
-    ``parked_blocks_needed`` / ``prefix_cache_bypassed``. Not thread-safe: one thread drives it."""
+    ``parked_blocks_needed``. Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -59,7 +58,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
                                    config.prefill_chunk_tokens)
         self.requests: dict[str, Sequence] = {}
-        self._parked: dict[str, bool] = {}  # parked request id -> it was running (holds blocks)
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
@@ -83,12 +81,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    score_only: bool = False, index: int = 0, cache_salt: str | None = None
-                    ) -> Sequence:
+                    score_only: bool = False, index: int = 0, cache_salt: str | None = None,
+                    bypass_prefix_cache: bool = False) -> Sequence:
         """Validate and queue a request (choice ``index`` of its prompt); a bad one raises
         ``ValueError`` and changes nothing. Without a seed, one is drawn (``draw_seed``).
         ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
-        (None is a salt of its own); it never changes the bits, only what may be reused."""
+        (None is a salt of its own); it never changes the bits, only what may be reused.
+        ``bypass_prefix_cache``: the request neither reads nor fills the prefix cache."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
@@ -97,7 +96,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.draw_seed()
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only,
                        index=index, stop_ids=self._stop_ids(params), grammar=grammar,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, bypass_prefix_cache=bypass_prefix_cache)
         if params.stop_strings and self.tokenizer is not None and not score_only:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
         self.requests[request_id] = seq
@@ -149,8 +148,6 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Finish the request (parked or not) and free its KV blocks; unknown ids are ignored."""
-        if request_id in self._parked:
-            self.unpark(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
@@ -158,33 +155,15 @@ class LLMEngine:
     # ---- parked requests (the server's determinism canary pauses its replays) ---------------
     def park(self, request_id: str) -> None:
         """Take an unfinished request out of scheduling, keeping its progress and KV blocks:
-        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` (back to the
-        queue it left, running or waiting) or ``abort``."""
-        seq, sched = self.requests[request_id], self.scheduler
-        running = seq in sched.running
-        (sched.running if running else sched.waiting).remove(seq)
-        self._parked[request_id] = running
+        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` or ``abort``."""
+        self.scheduler.pause(self.requests[request_id])
 
     def unpark(self, request_id: str) -> None:
-        running = self._parked.pop(request_id)
-        (self.scheduler.running if running else self.scheduler.waiting).append(
-            self.requests[request_id])
+        self.scheduler.resume(self.requests[request_id])
 
     def parked_blocks_needed(self) -> bool:
-        """Whether parked requests hold KV blocks the queue waits for: one was parked running
-        (it holds blocks), nothing runs, and requests wait."""
-        sched = self.scheduler
-        return any(self._parked.values()) and not sched.running and bool(sched.waiting)
-
-    @contextlib.contextmanager
-    def prefix_cache_bypassed(self) -> Iterator[None]:
-        """Steps inside neither read nor fill the prefix cache (a replay computes everything)."""
-        saved = self.kv.enable_prefix_caching
-        self.kv.enable_prefix_caching = False
-        try:
-            yield
-        finally:
-            self.kv.enable_prefix_caching = saved
+        """Whether parked requests hold KV blocks the queue waits for."""
+        return self.scheduler.paused_blocks_needed()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
