@@ -1,4 +1,9 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status."""
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+
+A message never echoes a large input: every quoted (``'...'``, ``"..."``) or bracketed
+(``[...]``, ``{...}``) piece longer than ``QUOTE_LIMIT`` characters is cut to its first
+characters and its length, and a message is at most ``MESSAGE_LIMIT`` characters.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,32 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error",
           503: "server_error"}
+QUOTE_LIMIT = 40  # the longest quoted or bracketed piece a message keeps whole
+MESSAGE_LIMIT = 300
+_PIECE = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\[\]]*\]|\{[^{}]*\}")
+
+
+def bounded(message: str) -> str:
+    """``message`` with its long quoted or bracketed pieces cut, at most ``MESSAGE_LIMIT``
+    characters (see the module docstring)."""
+    message = _PIECE.sub(_shorten, message)
+    if len(message) > MESSAGE_LIMIT:
+        message = f"{message[:MESSAGE_LIMIT - 30]}... ({len(message)} characters)"
+    return message
+
+
+def _shorten(match: re.Match) -> str:
+    piece = match.group(0)
+    if len(piece) <= QUOTE_LIMIT:
+        return piece
+    return f"{piece[:QUOTE_LIMIT - 8]}...{piece[-1]} ({len(piece)} characters)"
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers  # e.g. Allow on a 405, Retry-After on a 503

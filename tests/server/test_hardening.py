@@ -156,7 +156,7 @@ def test_trailing_slash_is_not_redirected(server):
 
 
 def test_openapi_documents_every_request_body(server):
-    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    spec = httpx.get(f"{server.url}/openapi.json", headers=server.headers, timeout=30).json()
     schemas = spec["components"]["schemas"]
     for path, name in ((CMPL, "CompletionRequest"), (CHAT, "ChatCompletionRequest"),
                        ("/v1/embeddings", "EmbeddingRequest")):
