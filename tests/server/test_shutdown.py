@@ -47,6 +47,7 @@ class Stream(threading.Thread):
                 "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=AUTH,
                           timeout=120) as r:
+            r.raise_for_status()
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     self.events.append(line[6:])
@@ -205,11 +206,12 @@ def test_the_real_kernels_build_after_a_builder_is_killed_mid_compile(tmp_path):
 @pytest.mark.slow
 def test_sigterm_to_samebits_serve_drains_its_streams(tmp_path):
     """The real command and the real signal: a stream running at SIGTERM gets an error event
-    and [DONE] after the grace period, and the process exits 0 within it plus FINAL_EVENTS_S."""
+    and [DONE] after the grace period, and the process exits within it plus FINAL_EVENTS_S."""
     from tests.server.conftest import start_server
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     servers = start_server("--model", str(tmp_path / "config.json"), "--load-format", "dummy",
-                           "--shutdown-grace-period", str(GRACE_S), api_key=KEY,
+                           "--shutdown-grace-period", str(GRACE_S), "--served-model-name",
+                           "tiny", api_key=KEY,
                            max_model_len=None)
     server = next(servers)
     s = Stream(server.url, LONG)
@@ -217,7 +219,8 @@ def test_sigterm_to_samebits_serve_drains_its_streams(tmp_path):
     assert s.started.wait(60)
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(GRACE_S + FINAL_EVENTS_S + 10) == 0
+    # uvicorn re-raises the signal once it has shut down: the status says "ended by SIGTERM"
+    assert server.proc.wait(GRACE_S + FINAL_EVENTS_S + 10) in (0, -signal.SIGTERM)
     assert time.monotonic() - start < GRACE_S + FINAL_EVENTS_S + 2
     s.join(10)
     assert s.events[-1] == "[DONE]" and "error" in json.loads(s.events[-2])
