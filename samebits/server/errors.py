@@ -2,7 +2,8 @@
 
 A message never echoes a large input: every quoted (``'...'``, ``"..."``) or bracketed
 (``[...]``, ``{...}``) piece longer than ``QUOTE_LIMIT`` characters is cut to its first
-characters and its length, and a message is at most ``MESSAGE_LIMIT`` characters.
+characters and its length, as are field names from the input, and a message is at most
+``MESSAGE_LIMIT`` characters.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def _shorten(match: re.Match) -> str:
     return f"{piece[:QUOTE_LIMIT - 8]}...{piece[-1]} ({len(piece)} characters)"
 
 
+def cut(text: str) -> str:
+    """A bare piece of input (a field name) at most about ``QUOTE_LIMIT`` characters long."""
+    if len(text) <= QUOTE_LIMIT:
+        return text
+    return f"{text[:QUOTE_LIMIT - 8]}... ({len(text)} characters)"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type: str | None = None,
@@ -64,7 +72,7 @@ def from_validation_error(e: ValidationError) -> APIError:
     if err["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON (UTF-8): {err['msg']}",
                         code="invalid_json")
-    loc = [str(x) for x in err["loc"]]
+    loc = [cut(str(x)) for x in err["loc"]]  # a field name may be any input
     where = ".".join(loc)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
