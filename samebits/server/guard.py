@@ -50,6 +50,25 @@ class BodyBudget:
             self.held -= n
 
 
+class _Share:
+    """One request's part of the budget, given back when the request ends."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget, self.n = budget, 0
+
+    def take(self, n: int) -> bool:
+        if not self.budget.take(n):
+            return False
+        self.n += n
+        return True
+
+    def __enter__(self) -> _Share:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.budget.give(self.n)
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: str,
                  headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
@@ -65,16 +84,14 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
             return await self.app(scope, receive, send)
-        held = [0]  # bytes of this request's body taken from the budget
-        try:
-            body = await self._body(scope, receive, held)
+        with _Share(self.budget) as share:
+            try:
+                body = await self._body(scope, receive, share)
+            except _Refused as e:
+                return await _error(send, e.status, e.message, e.code, e.headers)
             await self.app(scope, _replay(body, receive), send)
-        except _Refused as e:
-            await _error(send, e.status, e.message, e.code, e.headers)
-        finally:
-            self.budget.give(held[0])
 
-    async def _body(self, scope: Scope, receive: Receive, held: list[int]) -> bytes:
+    async def _body(self, scope: Scope, receive: Receive, share: _Share) -> bytes:
         headers = _headers(scope)
         if _media_type(headers.get("content-type", "")) != "application/json":
             raise _Refused(415, "the request body must be JSON: send 'Content-Type: "
@@ -85,13 +102,13 @@ class RequestGuard:
             raise _Refused(413, self._too_large(), "request_too_large")
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
-                return await self._read(receive, held)
+                return await self._read(receive, share)
         except TimeoutError:
             raise _Refused(408, f"the request body did not arrive within "
                            f"{self.limits.body_timeout_s:g} s (--body-timeout)",
                            "request_timeout") from None
 
-    async def _read(self, receive: Receive, held: list[int]) -> bytes:
+    async def _read(self, receive: Receive, share: _Share) -> bytes:
         """The whole body; refused as soon as it passes the limit or the budget."""
         chunks: list[bytes] = []
         while True:
@@ -99,13 +116,12 @@ class RequestGuard:
             if message["type"] == "http.disconnect":
                 break
             chunk = message.get("body", b"")
-            if held[0] + len(chunk) > self.limits.max_request_bytes:
+            if share.n + len(chunk) > self.limits.max_request_bytes:
                 raise _Refused(413, self._too_large(), "request_too_large")
-            if not self.budget.take(len(chunk)):
+            if not share.take(len(chunk)):
                 raise _Refused(503, "the server is busy: too many request bodies are being "
                                "received (--max-buffered-bytes); retry later", "server_busy",
                                ((b"retry-after", b"1"),))
-            held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

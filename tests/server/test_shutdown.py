@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -137,52 +136,51 @@ def test_the_cpu_kernels_are_built_before_the_server_listens(tmp_path, monkeypat
     monkeypatch.setattr(cpu_kernels, "load", lambda: built.append(True))
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     args = cli.build_parser().parse_args(["serve", "--model", str(tmp_path / "config.json"),
-                                          "--load-format", "dummy", "--device", "cpu"])
+                                          "--load-format", "dummy", "--device", "cpu",
+                                          "--num-kv-blocks", "16", "--max-model-len", "256"])
     app_module.build_served_app(args, (KEY,))
     assert built == [True]
 
 
 BUILDER = """
-import sys, time
+import fcntl, os, sys, time
 from pathlib import Path
-from torch.utils import cpp_extension
-from samebits.ops import cpu_kernels
-
-def hang(name, sources, build_directory, **kw):  # a compiler stuck mid-build, as torch leaves it
-    (Path(build_directory) / "lock").write_text("")
-    Path(sys.argv[2]).write_text("building")
-    time.sleep(3600)
-
-cpp_extension.load = hang
-cpu_kernels.build(sys.argv[1], [Path(sys.argv[3])], [], [])
+lock, torch_dir, work_dir, marker = sys.argv[1:]
+fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)  # what a builder holds while it compiles
+for d in (torch_dir, work_dir):  # torch's lock file and a half-built object, as a kill leaves them
+    os.makedirs(d, exist_ok=True)
+    Path(d, "lock").write_text("")
+    Path(d, "tiny_op.o").write_bytes(b"partial")
+Path(marker).write_text("building")
+time.sleep(3600)
 """
 
 
-def _killed_builder(name: str, source: Path, tmp_path: Path, env: dict) -> None:
-    """Start a build of ``name`` that hangs mid-compile, and kill it with -9 there."""
-    marker = tmp_path / "building"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(BUILDER), name, str(marker),
-                             str(source)], env=env)
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the builder did not start"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-
-
 def test_a_builder_killed_with_sigkill_never_blocks_the_next_build(tmp_path, monkeypatch):
+    """A process holding the build lock mid-build (the layout ``cpu_kernels.build`` documents)
+    is killed with -9; the next build neither waits for it nor reuses its files."""
+    from torch.utils import cpp_extension
+
     from samebits.ops import cpu_kernels
     source = tmp_path / "tiny_op.cpp"
     source.write_text("int samebits_tiny_op() { return 7; }\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     name = f"samebits_test_{os.getpid()}"
-    _killed_builder(name, source, tmp_path, env)
+    torch_dir = Path(cpp_extension._get_build_directory(name, False))
+    root, marker = torch_dir.parent, tmp_path / "building"
+    proc = subprocess.Popen([sys.executable, "-c", BUILDER, str(root / f"{name}.lock"),
+                             str(torch_dir), str(root / f"{name}.build-dead"), str(marker)])
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the builder did not start"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
     start = time.monotonic()
     library = cpu_kernels.build(name, [source], [], [])  # must not wait on the dead builder
     assert library.exists() and time.monotonic() - start < 120
-    assert not list(library.parent.glob(f"{name}.build-*"))  # the dead build's leftovers
+    assert not list(root.glob(f"{name}.build-*"))  # the dead build's leftovers are gone
 
 
 @pytest.mark.slow
