@@ -11,7 +11,7 @@ of the query at position p depends only on q, and on K/V at positions [0, p] of 
 not on how many queries of the sequence run this step (prefill, chunk or decode), on the batch, or
 on which physical KV blocks hold them.
 
-Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.distributed``): with
+Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.models.parallel``): with
 ``k_bounds`` = ((0, k1), (k1, k2), ..., (k_{S-1}, K)), ``linear`` computes one partial product per
 K segment, each accumulated from zero in the backend's accumulation dtype (fp32; fp64 for fp64
 inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
@@ -144,6 +144,21 @@ class GraphableBackend(OpBackend, Protocol):
         captures under it, so the warm-up compiles and loads every kernel the capture launches
         and none is compiled while capturing."""
         ...
+
+
+def bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous near-equal [lo, hi) slices of range(total) (torch.tensor_split's:
+    the first ``total % parts`` slices one longer)."""
+    edges = [0]
+    for i in range(parts):
+        edges.append(edges[-1] + total // parts + (1 if i < total % parts else 0))
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def row_parallel_bounds(k: int, num_segments: int) -> KBounds:
+    """The K segments of a row-parallel weight with ``k`` input columns: ``bounds(k, S)``, S the
+    model's KV heads. For o_proj (k = Hq D, a multiple of S) segment g is KV group g's columns."""
+    return tuple(bounds(k, num_segments))
 
 
 def check_k_bounds(k_bounds: KBounds, k: int) -> None:

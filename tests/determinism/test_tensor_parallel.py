@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams
-from samebits.distributed import shutdown
 
 # 12 query heads, 6 KV heads: N = 1, 2, 3 (and 6) divide them; odd sizes exercise uneven slices
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 96,
@@ -30,6 +29,10 @@ def _outputs(llm: LLM) -> tuple[list, list, str]:
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     scored = llm.score([PROMPTS[1] + outs[1].token_ids])
     return [(o.token_ids, o.logprobs) for o in outs], scored, llm.fingerprint
+
+
+def shutdown(llm: LLM) -> None:
+    llm.engine.runner.shutdown()
 
 
 def _run(path: str, **options) -> tuple[list, list, str]:
@@ -70,7 +73,7 @@ def test_negative_control_plain_unsegmented_arithmetic_differs(dummy_config, def
     """The same engine with o_proj and down_proj as one K chain each (no segments)."""
     llm = LLM(dummy_config, load_format="dummy", num_kv_blocks=64)
     for layer in llm.engine.runner.model.layers:
-        layer.self_attn.o_bounds = layer.mlp.down_bounds = None
+        layer.self_attn.o_proj.k_bounds = layer.mlp.down_proj.k_bounds = None
     plain, plain_scored, _ = _outputs(llm)
     assert plain != default_run[0] and plain_scored != default_run[1]
 

@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM, SamplingParams  # noqa: E402
-from samebits.distributed.segments import row_parallel_bounds  # noqa: E402
+from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 
 QWEN3_TINY = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
