@@ -24,6 +24,7 @@ ignore it in ``linear`` (stock ``F.linear``: the negative control, not TP-invari
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -236,8 +237,13 @@ _INSTANCES: dict[tuple[str, bool], OpBackend] = {}
 _CHOSEN: dict[tuple[torch.device | str, bool], OpBackend] = {}
 
 
+# the modules that register the built-in backends (``register``), imported on first use of a
+# device type: the interface does not depend on its implementations (they depend on it)
+_BUILTIN_BACKENDS = {"cpu": ("samebits.ops.reference", "samebits.ops.standard"),
+                     "cuda": ("samebits.ops.reference", "samebits.ops.standard",
+                              "samebits.ops.standard_cuda", "samebits.ops.triton.backend")}
+
+
 def _load_builtin_backends(device_type: str) -> None:
-    from samebits.ops import reference, standard  # noqa: F401  (registration side effect)
-    if device_type == "cuda":
-        from samebits.ops import standard_cuda  # noqa: F401
-        from samebits.ops.triton import backend  # noqa: F401
+    for module in _BUILTIN_BACKENDS.get(device_type, ()):
+        importlib.import_module(module)
