@@ -2,9 +2,10 @@
 device, ``tensor_parallel_size`` left at 1), ``tensor_parallel_size=1`` and a model sharded over 2
 and 3 processes (each rank building and loading only its shard) return bitwise the same tokens,
 logprobs, scores and fingerprint, and a prompt scored through TP equals its generation; a weight
-update reaches every rank, and ``named_weights`` gathers every rank's parts into TP 1's weights. Negative controls: the plain unsegmented arithmetic (one
-K chain for o_proj and down_proj) gives other bits on the same inputs, and adding the same
-partials grouped by rank first (what an all-reduce of rank sums does) changes the sum with N."""
+update reaches every rank, and ``named_weights`` gathers every rank's parts into TP 1's weights.
+Negative controls: the plain unsegmented arithmetic (one K chain for o_proj and down_proj) gives
+other bits on the same inputs, and adding the same partials grouped by rank first (what an all-
+reduce of rank sums does) changes the sum with N."""
 
 from __future__ import annotations
 

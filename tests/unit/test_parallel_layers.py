@@ -2,10 +2,10 @@
 
 What they prove: on N = 2 and 3 ranks each rank's sharded parameters (q/k/v and their bias, o,
 gate/up, down, embedding, LM head) hold about 1/N of the model's bytes and together exactly the
-model's, with only the norms replicated; a parameter's ``weight_loader`` asks a safetensors slice for exactly the rank's
-rows (column-parallel, each fused shard) or columns (row-parallel), never the whole tensor; and a
-rank loaded from a checkpoint directory holds exactly its slices of the whole model's weights.
-"""
+model's, with only the norms replicated; a parameter's ``weight_loader`` asks a safetensors slice
+for exactly the rank's rows (column-parallel, each fused shard) or columns (row-parallel), never the
+whole tensor; and a rank loaded from a checkpoint directory holds exactly its slices of the whole
+model's weights."""
 
 from __future__ import annotations
 
