@@ -316,7 +316,7 @@ class ModelRunner:
         """Ranks 1..N-1: make the call rank 0 announced, on this rank's shard."""
         calls = {"forward": self._forward, "replay": self._follow_replay, "logits": self._logits,
                  "logits_of": self.compute_logits, "update": self.weights_updated,
-                 "gather": self.named_weights}
+                 "gather": self.named_weights, "weight_bytes": self.weight_bytes}
         with torch.inference_mode():
             calls[op](*args)
 
@@ -392,6 +392,14 @@ class ModelRunner:
         with self._guard():
             self._announce("gather")
             return iter([(name, wmap.gather(name, self.group)) for name in wmap.slots])
+
+    def weight_bytes(self) -> list[int]:
+        """Bytes of the model's parameters on each rank, in rank order."""
+        with self._guard():
+            self._announce("weight_bytes")
+            mine = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            every = self.group.all_gather(torch.tensor([mine], device=self.device))
+            return [int(b) for b in every.tolist()]
 
     def _launch_ahead(self, seqs: list[Sequence], decode: DecodeBatch, tokens: torch.Tensor
                       ) -> None:
