@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
+from samebits.config import EngineConfig
 from samebits.engine import sampler
-from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket, batch_buckets
+from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
+from samebits.engine.memory import KVBudget
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later
@@ -114,13 +114,13 @@ class ModelRunner:
         self.model, self.config, self.loaded, self.peers = loaded.model, config, loaded, peers
         self.group = self.model.group
         self.max_model_len = loaded.max_model_len
-        self.reserved_bytes = 0  # CUDA: activation + graph-pool bytes kept out of the KV budget
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
         per_block = (2 * len(self.model.layers) * self.dtype.itemsize
                      * math.prod(self.model.kv_cache_shape(1, config.block_size)))
-        own = config.num_kv_blocks or max(1, self._kv_budget() // per_block - 1)
+        own = config.num_kv_blocks or max(
+            1, KVBudget(self.model, config, self.max_model_len).bytes() // per_block - 1)
         self.num_blocks = self.group.min_int(own)  # every rank holds the same block ids
         # one block more than the pool hands out: the scratch block CUDA-graph padding rows write
         shape = self.model.kv_cache_shape(self.num_blocks + 1, config.block_size)
@@ -136,88 +136,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
                                        config.block_size, config.attention_split_size,
                                        scratch_block=self.num_blocks)
-
-    def _kv_budget(self) -> int:
-        """This rank's bytes for the KV cache: as configured; on CUDA what
-        ``gpu_memory_utilization`` of the device's total memory leaves once everything in use
-        now (weights, other processes) and the activations of the largest step and the
-        CUDA-graph pool (``_activation_reserve``, measured) are counted; on CPU
-        ``CPU_KV_CACHE_BYTES``, at most that share of the host memory available."""
-        util = self.config.gpu_memory_utilization
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return min(CPU_KV_CACHE_BYTES, int(util * _available_host_memory()))
-        self.reserved_bytes = self._activation_reserve()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * util) - (total - free) - self.reserved_bytes
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization={util} leaves no memory for the KV cache on "
-                f"{self.device}: {util * total / 2**30:.1f} GiB allowed, {(total - free) / 2**30:.1f}"
-                f" GiB in use (weights, other processes), {self.reserved_bytes / 2**30:.1f} GiB "
-                "for activations and CUDA graphs; raise it or lower max_num_batched_tokens")
-        return budget
-
-    @torch.inference_mode()
-    def _activation_reserve(self) -> int:
-        """Peak bytes of an eager prefill of ``max_num_batched_tokens`` tokens with its sampling
-        rows, plus, when decode steps run in CUDA graphs, the graph pool: the peak of a decode step
-        of ``max_num_seqs`` sequences planned for the longest context (the temporaries every
-        captured graph shares) and each graph's output. Measured on a scratch cache just large
-        enough, which is then freed."""
-        cfg, model, bs = self.config, self.model, self.config.block_size
-        t = cfg.max_num_batched_tokens
-        nb = -(-t // bs) + 1
-        shape = model.kv_cache_shape(nb, bs)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(len(model.layers))]
-        prefill = self._peak(lambda: self._scratch_prefill(caches, t, nb))
-        if cfg.enforce_eager:
-            return prefill
-        n = min(batch_bucket(cfg.max_num_seqs), t)
-        decode = self._peak(lambda: self._scratch_decode(caches, n))
-        outputs = DecodeGraphs.count(cfg.max_num_seqs, self.max_model_len, cfg.attention_split_size) \
-            * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
-        return prefill + decode + outputs
-
-    def _peak(self, fn) -> int:
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        fn()
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
-
-    def _scratch_prefill(self, caches: list, t: int, nb: int) -> None:
-        dev, rows = self.device, min(t, self.config.max_num_seqs)
-        meta = AttentionMetadata(
-            block_tables=torch.arange(nb - 1, dtype=torch.int32, device=dev)[None],
-            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
-            slot_mapping=torch.arange(t, device=dev), seq_lens_list=(t,),
-            query_start_loc_list=(0, t), block_size=self.block_size,
-            split_size=self.config.attention_split_size)
-        hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev),
-                            torch.arange(t, device=dev), caches, self.model.ops.plan_attention(meta))
-        self.model.ops.log_softmax(self.model.compute_logits(hidden[-rows:]))
-
-    def _scratch_decode(self, caches: list, n: int) -> None:
-        """One eager decode step of ``n`` sequences planned as the widest graph is."""
-        dev, max_len = self.device, self.max_model_len
-        width = -(-max_len // self.block_size)
-        meta = AttentionMetadata(
-            block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            slot_mapping=torch.arange(n, device=dev), seq_lens_list=(max_len,) * n,
-            query_start_loc_list=tuple(range(n + 1)), block_size=self.block_size,
-            split_size=self.config.attention_split_size)
-        pos = torch.zeros(n, dtype=torch.int32, device=dev)
-        meta = self.model.ops.plan_decode(meta, pos, max_len)
-        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), pos.long(), caches, meta)
-        self.model.ops.log_softmax(self.model.compute_logits(hidden))
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
@@ -497,19 +415,6 @@ class ModelRunner:
                     span.top = [_row_top(r, k) for r in block]
             result.scored.append(span)
             row += count
-
-
-def _available_host_memory() -> int:
-    """Bytes of host memory available now: Linux's MemAvailable (free plus reclaimable), else
-    the free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor, extra: list[torch.Tensor] = ()

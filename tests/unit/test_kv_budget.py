@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import types
 
 import pytest
 import torch
 
 from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
-from samebits.engine import runner as runner_module
-from samebits.engine.runner import ModelRunner
+from samebits.engine import memory
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.01, "0.5", None])
@@ -33,9 +31,9 @@ def test_gpu_memory_utilization_default_and_command_line():
 
 
 def _budget(monkeypatch, available: int, **options) -> int:
-    monkeypatch.setattr(runner_module, "_available_host_memory", lambda: available)
-    fake = types.SimpleNamespace(config=EngineConfig(**options), device=torch.device("cpu"))
-    return ModelRunner._kv_budget(fake)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: available)
+    model = torch.nn.Linear(2, 2)  # on the CPU: the budget does not run it
+    return memory.KVBudget(model, EngineConfig(**options), 64).bytes()
 
 
 def test_cpu_kv_budget_is_capped_by_the_share_of_available_memory(monkeypatch):
@@ -51,7 +49,7 @@ def test_engine_blocks_follow_the_budget(monkeypatch, tmp_path):
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
-    monkeypatch.setattr(runner_module, "_available_host_memory", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 1 << 20)
     llm = LLM(str(path), load_format="dummy", gpu_memory_utilization=0.5)
     per_block = 2 * 1 * 16 * 2 * 8 * 4  # K and V, 1 layer, 16 slots, 2 KV heads of 8, fp32
     assert llm.engine.runner.num_blocks == (1 << 19) // per_block - 1
