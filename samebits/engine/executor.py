@@ -204,8 +204,11 @@ def check_main_guard() -> None:
     would start engines of their own (Python's spawn forbids it) instead of loading a shard."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
     if main is None or path is None or not path.endswith(".py"):
         return  # an interactive session, python -c, or a console script: nothing re-runs
+    if spec is not None and spec.name.endswith(".__main__"):
+        return  # python -m package: spawn does not import a package's __main__ again
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_globals is vars(main)
                                      and frame.f_code.co_name == "<module>"):
