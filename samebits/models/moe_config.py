@@ -1,6 +1,6 @@
 """The mixture-of-experts part of a decoder's shape, read from an HF ``config.json``.
 
-One table holds each MoE architecture's names and conventions:
+Each MoE architecture's config names and conventions (``_ARCHS``):
 
 - Qwen3-MoE: ``num_experts`` (transformers 5 writes ``num_local_experts``) experts of
   ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step`` / ``mlp_only_layers``
@@ -11,13 +11,16 @@ One table holds each MoE architecture's names and conventions:
 - Mixtral: ``num_local_experts`` experts of ``intermediate_size``, every layer sparse, the top-k
   probabilities always renormalized and kept in fp32.
 
-This module imports nothing of samebits at load time (``samebits.config`` imports it).
+``MoeModelConfig`` (the architecture table's config class for these entries) is the decoder's
+``ModelConfig`` plus ``moe``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from samebits.config import ModelConfig, ModelFormatError
 
 
 @dataclass(frozen=True)
@@ -104,5 +107,23 @@ def _check_supported(cfg: dict[str, Any], arch: str) -> None:
 
 
 def _error(message: str) -> ValueError:
-    from samebits.config import ModelFormatError
     return ModelFormatError(f"config.json: {message}")
+
+
+@dataclass(frozen=True)
+class MoeModelConfig(ModelConfig):
+    """A mixture-of-experts decoder's config.json: the decoder's shape and its experts."""
+
+    moe: MoeConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.moe is None:
+            raise _error(f"{self.architecture} needs its experts' fields")
+
+    @classmethod
+    def _fields(cls, cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+        fields = super()._fields(cfg, arch)
+        if fields["attention_bias"] is None and "qkv_bias" in cfg:  # Qwen2-MoE's name for it
+            fields["attention_bias"] = bool(cfg["qkv_bias"])
+        return {**fields, "moe": MoeConfig.from_hf(cfg, arch)}

@@ -1,6 +1,7 @@
-"""transformers' sparse MoE blocks as the engine's, for ``batch_invariant()``.
+"""transformers' sparse MoE blocks as the engine's, for ``samebits.batch_invariant()``
+(``samebits.models.hf_route``).
 
-Inside ``batch_invariant()`` the ``forward`` of ``Qwen3MoeSparseMoeBlock``,
+Inside the block the ``forward`` of ``Qwen3MoeSparseMoeBlock``,
 ``Qwen2MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` (where their modeling module is
 imported) runs ``samebits.models.moe.SparseMoeBlock``'s arithmetic on the module's own weights
 (``gate.weight``, ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I], Qwen2's
@@ -29,9 +30,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from samebits.distributed.segments import row_parallel_bounds
 from samebits.ops.autograd import DifferentiableOps
-from samebits.ops.backend import get_backend
+from samebits.ops.backend import get_backend, row_parallel_bounds
 from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
 
 _BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams
-from samebits.config import ModelConfig, ModelFormatError
+from samebits.config import ModelFormatError
+from samebits.distributed.group import TPGroup
+from samebits.loader import build_model
+from samebits.models import registry
 from samebits.models.moe import SparseMoeBlock
 from samebits.ops import moe
 from samebits.ops.backend import get_backend
@@ -26,18 +29,18 @@ INV, STD = get_backend("cpu", True), get_backend("cpu", False)
 
 
 def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
-    cfg = ModelConfig.from_dict(QWEN3_MOE)
-    assert cfg.qk_norm and cfg.moe.top_k == 2 and cfg.moe.renormalize
+    cfg = registry.model_config(QWEN3_MOE)
+    assert registry.architecture(cfg.architecture).qk_norm
+    assert cfg.moe.top_k == 2 and cfg.moe.renormalize and cfg.moe.round_weights
     assert [cfg.moe.is_sparse(i) for i in range(4)] == [False, True, False, False]
-    mixtral = ModelConfig.from_dict({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"],
+    mixtral = registry.model_config({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"],
                                      "num_local_experts": 4, "norm_topk_prob": False})
     assert mixtral.moe.num_experts == 8 and mixtral.moe.renormalize  # Mixtral always does
     assert mixtral.moe.moe_intermediate_size == 96 and not mixtral.moe.round_weights
     assert all(mixtral.moe.is_sparse(i) for i in range(4))
-    qwen2 = ModelConfig.from_dict({**QWEN3_MOE, "architectures": ["Qwen2MoeForCausalLM"],
-                                   "shared_expert_intermediate_size": 48})
-    assert qwen2.attention_bias and not qwen2.qk_norm
-    assert qwen2.moe.shared_expert_intermediate_size == 48
+    qwen2 = registry.model_config({**QWEN3_MOE, "architectures": ["Qwen2MoeForCausalLM"],
+                                   "shared_expert_intermediate_size": 48, "qkv_bias": False})
+    assert qwen2.attention_bias is False and qwen2.moe.shared_expert_intermediate_size == 48
 
 
 @pytest.mark.parametrize("change, match", [
@@ -48,7 +51,7 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
 ])
 def test_unsupported_moe_configs_are_refused_by_name(change, match):
     with pytest.raises(ModelFormatError, match=match):
-        ModelConfig.from_dict({k: v for k, v in {**QWEN3_MOE, **change}.items()
+        registry.model_config({k: v for k, v in {**QWEN3_MOE, **change}.items()
                                if v is not None})
 
 
@@ -146,8 +149,7 @@ def test_update_of_one_expert_changes_only_its_tokens_and_bad_updates_change_not
     assert torch.equal(dummy.engine.prompt_logits(ids), logits)  # no stale packed expert
 
 
-def test_tensor_parallel_is_refused_for_moe(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(QWEN3_MOE))
-    with pytest.raises(ValueError, match="mixture of experts"):
-        LLM(str(path), load_format="dummy", tensor_parallel_size=2, num_kv_blocks=4)
+def test_tensor_parallel_is_refused_for_moe():
+    cfg = registry.model_config(QWEN3_MOE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*one device"):
+        build_model(cfg, INV, 64, "cpu", torch.float32, TPGroup(0, 2))
