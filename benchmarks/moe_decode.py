@@ -50,7 +50,7 @@ def token_bytes(model: torch.nn.Module) -> int:
         nbytes = p.numel() * p.element_size()
         if name.endswith(("experts_gate_up", "experts_down")):
             nbytes = nbytes * cfg.moe.top_k // cfg.moe.num_experts
-        elif name == "embed_tokens" and model.lm_head is not None:
+        elif name == "embed_tokens.weight" and not model.lm_head.tied:
             nbytes = p.shape[1] * p.element_size()
         total += nbytes
     return total
@@ -130,10 +130,11 @@ def _graph_us(fn, reps: int = 50) -> float:
 
 
 def layer(args: argparse.Namespace, bandwidth: float) -> None:
-    from samebits.config import ModelConfig
+    from samebits.config import read_json
+    from samebits.models import registry
     from samebits.ops import moe as ops_moe
     from samebits.ops.triton import moe as triton_moe
-    model_cfg = ModelConfig.from_file(Path(args.model))
+    model_cfg = registry.model_config(read_json(Path(args.model)))
     moe, h = model_cfg.moe, model_cfg.hidden_size
     e, i, k = moe.num_experts, moe.moe_intermediate_size, moe.top_k
     w13 = (torch.randn(e, 2 * i, h, device="cuda") / 45).bfloat16()
