@@ -88,7 +88,8 @@ class KVBudget:
             query_start_loc_list=(0, t), block_size=self.config.block_size,
             split_size=self.config.attention_split_size)
         hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev),
-                            torch.arange(t, device=dev), caches, ops.plan_attention(meta))
+                            torch.arange(t, device=dev) % self.max_model_len, caches,
+                            ops.plan_attention(meta))
         ops.log_softmax(self.model.compute_logits(hidden[-rows:]))
 
     def _scratch_decode(self, caches: list, n: int) -> None:
