@@ -29,6 +29,8 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, pipe: Connectio
     _exit_with_parent()
     try:
         group = TPGroup(rank, config.tensor_parallel_size, rank_device(config, rank))
+        if group.device.type == "cuda":  # kernels, graph pools and events use the current one
+            torch.cuda.set_device(group.device)
         loaded = load(config, group)
     except BaseException as e:
         pipe.send(("error", f"{type(e).__name__}: {e}"))

@@ -1,6 +1,7 @@
 """``samebits.batch_invariant()``: the op-level overrides (``samebits.ops.override``) plus, on
 CUDA, the HF RMSNorm classes of the architecture table routed to the engine's kernel, and
-transformers' sparse MoE blocks routed to the engine's MoE ops (``samebits.ops.hf_moe``).
+transformers' sparse MoE blocks routed to the engine's MoE ops (``samebits.ops.hf_moe``): routes
+this module adds to every block (``override.add_route``).
 
 On CUDA the engine's RMSNorm is one Triton kernel, one row per lane group, whose bits no aten-level
 mean can reproduce; so inside the block the ``forward`` of every RMSNorm class an architecture
@@ -12,11 +13,9 @@ recompute backward, ``samebits.ops.autograd``). CPU tensors keep the stock forwa
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -28,36 +27,6 @@ from samebits.ops.backend import get_backend
 __all__ = ["batch_invariant"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_lock = threading.Lock()
-_depth = 0
-_undo: Callable[[], None] = lambda: None  # noqa: E731
-
-
-@contextlib.contextmanager
-def batch_invariant() -> Iterator[None]:
-    """Stock PyTorch / transformers code on the engine's invariant arithmetic (re-entrant;
-    everything is restored when the outermost block exits, also on an exception)."""
-    global _depth, _undo
-    with override.batch_invariant():
-        with _lock:
-            if _depth == 0:
-                _undo = _route_hf_modules()
-            _depth += 1
-        try:
-            yield
-        finally:
-            with _lock:
-                _depth -= 1
-                if _depth == 0:
-                    _undo()
-
-
-def _route_hf_modules() -> Callable[[], None]:
-    """The HF RMSNorm classes and sparse MoE blocks (``samebits.ops.hf_moe``) routed; the
-    undo."""
-    from samebits.ops.hf_moe import route_hf_moe
-    undo_norms, undo_moe = _route_hf_rms_norms(), route_hf_moe(override.busy)
-    return lambda: (undo_moe(), undo_norms())
 
 
 def _routable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -98,3 +67,13 @@ def _route_hf_rms_norms() -> Callable[[], None]:
         cls.forward = _norm_forward(stock)
         undo.append((cls, stock))
     return lambda: [setattr(cls, "forward", stock) for cls, stock in undo]
+
+
+def _route_hf_moe() -> Callable[[], None]:
+    from samebits.ops.hf_moe import route_hf_moe
+    return route_hf_moe(override.busy)
+
+
+override.add_route(_route_hf_rms_norms)
+override.add_route(_route_hf_moe)
+batch_invariant = override.batch_invariant

@@ -28,7 +28,7 @@ from torch import nn
 from samebits.config import ModelConfig, ModelFormatError
 from samebits.distributed.group import TPGroup
 from samebits.models.parallel import (
-    MergedColumnParallelLinear,
+    ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -95,8 +95,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
         inter, segments = cfg.intermediate_size, cfg.num_key_value_heads
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], segments,
-                                                       group, cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], segments, group,
+                                                 cfg.mlp_bias)  # [gate; up]
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, cfg.mlp_bias)
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,9 @@ the tensor-parallel size N (which must divide S): ``bounds(size, S)`` near-equal
 owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments.
 
 - ``ColumnParallelLinear``: output rows split; each rank computes its own rows' outputs (a product's
-  output column does not depend on the other columns). Fused layers (``QKVParallelLinear``,
-  ``MergedColumnParallelLinear``) split each packed shard (q, k, v; gate, up) the same way, so a
-  rank's q/k/v rows are its KV groups' and its gate/up rows the intermediate slices its
-  down_proj columns multiply.
+  output column does not depend on the other columns). A fused layer (``QKVParallelLinear``; gate
+  and up, two ``output_sizes``) splits each packed shard the same way, so a rank's q/k/v rows are
+  its KV groups' and its gate/up rows the intermediate slices its down_proj columns multiply.
 - ``RowParallelLinear``: input columns split; owns the segmented-K arithmetic. A rank computes one
   fp32 partial product per owned K segment, the partials of all ranks are gathered and added in
   segment order, cast once, then the bias is added: on one device ``ops.linear(..., k_bounds)``
@@ -75,11 +74,6 @@ def check_divides(group: TPGroup, segments: int) -> None:
                          f"{segments} KV heads")
 
 
-def _materialize(loaded: Any, index: tuple[slice, ...]) -> torch.Tensor:
-    """``loaded[index]`` as a tensor: a safetensors slice reads only those rows / columns."""
-    return loaded[index]
-
-
 def _param(spec: ShardSpec, *shape: int) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.spec = spec
@@ -104,7 +98,7 @@ def sharded_weight_loader(param: nn.Parameter, loaded: Any, shard: int | None = 
         dest = dest.narrow(0, start, param.shard_sizes[shard])
     lo, hi = spec.span(i)
     index = (slice(None),) * (spec.dim or 0) + (slice(lo, hi),)
-    dest.copy_(_materialize(loaded, index))
+    dest.copy_(loaded[index])  # a safetensors slice reads only these rows / columns
 
 
 class ColumnParallelLinear(nn.Module):
@@ -133,10 +127,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim], hkv, group,
                          bias)
         self.hq, self.hkv = hq // group.world_size, hkv // group.world_size  # this rank's
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """[gate; up] fused, each cut into the segments of the down projection's K."""
 
 
 class RowParallelLinear(nn.Module):

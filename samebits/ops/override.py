@@ -1,7 +1,8 @@
 """``batch_invariant()``: torch.library overrides that make stock PyTorch code batch-invariant.
 
-This is the op level; ``samebits.batch_invariant()`` (``samebits.models.hf_route``) adds, on
-CUDA, the route of the HF RMSNorm classes the architecture table names to the engine's kernel.
+``samebits.batch_invariant()`` is this block with, on CUDA, the HF RMSNorm classes the
+architecture table names routed to the engine's kernel (``samebits.models.hf_route`` adds that
+route, ``add_route``).
 
 Inside ``with batch_invariant():`` the CPU (and, where CUDA exists, CUDA) kernels of these aten ops
 are replaced by the invariant implementations of ``get_backend(device, batch_invariant=True)``:
@@ -238,7 +239,16 @@ _local = threading.local()  # .busy: an override is running on this thread
 _lock = threading.Lock()
 _depth = 0
 _lib: torch.library.Library | None = None
-_undo_hf: Callable[[], None] = lambda: None  # noqa: E731
+_undo_routes: list[Callable[[], None]] = []
+# installers run when the outermost block opens, each returning its undo: transformers'
+# attention here; higher layers add theirs (``add_route``: the HF RMSNorm classes)
+_ROUTES: list[Callable[[], Callable[[], None]]] = []
+
+
+def add_route(install: Callable[[], Callable[[], None]]) -> None:
+    """Run ``install`` (which returns its undo) whenever an outermost block opens."""
+    if install not in _ROUTES:
+        _ROUTES.append(install)
 _hook: torch.utils.hooks.RemovableHandle | None = None
 
 
@@ -314,11 +324,11 @@ def batch_invariant() -> Iterator[None]:
     Re-entrant: nested blocks share one registration, removed when the outermost block exits
     (normally or by an exception). The overrides are process-wide while registered.
     """
-    global _depth, _lib, _undo_hf, _hook
+    global _depth, _lib, _hook
     with _lock:
         if _depth == 0:
             _lib = _register()
-            _undo_hf = _route_hf_attention()
+            _undo_routes[:] = [install() for install in [_route_hf_attention, *_ROUTES]]
             _hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _register_row_parallel)
         _depth += 1
@@ -330,6 +340,7 @@ def batch_invariant() -> Iterator[None]:
             if _depth == 0 and _lib is not None:
                 _lib._destroy()
                 _lib = None
-                _undo_hf()
+                for undo in reversed(_undo_routes):
+                    undo()
                 _hook.remove()
                 _row_parallel.clear()
