@@ -146,7 +146,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 80% of free memory on CUDA
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA see the next field
+    # CUDA, vLLM's meaning: the share of the GPU's total memory this engine may hold (weights,
+    # activations, CUDA graphs and KV cache; the KV cache gets the rest, within what is free).
+    # None: the KV cache takes 90% of the memory free after loading. No effect on CPU, where the
+    # KV cache is 1 GiB unless kv_cache_memory_bytes or num_kv_blocks say otherwise.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # KV tokens per attention split (design.md section 1 says 256; 128 measured better on Hopper:
     # decode at batch 1 / 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
@@ -178,6 +183,10 @@ class EngineConfig:
                      "attention_split_size"):
             _positive(name, getattr(self, name))
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float)
+                                 or not 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -232,8 +241,11 @@ class EngineConfig:
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length; None: the model's own limit")
         p.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV cache blocks; None: sized to 1 GiB on CPU, 80%% of free GPU "
-                       "memory on CUDA")
+                       help="KV cache blocks; None: sized to 1 GiB on CPU, on CUDA by "
+                       "--gpu-memory-utilization")
+        p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="CUDA: share of the GPU's total memory this engine may hold (vLLM's "
+                       "meaning); None: the KV cache takes 90%% of what is free after loading")
         p.add_argument("--no-prefix-caching", action="store_true",
                        help="never reuse cached KV blocks of a shared prefix")
         p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
@@ -256,6 +268,7 @@ class EngineConfig:
             model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=not args.no_async_scheduling,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
