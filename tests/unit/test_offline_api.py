@@ -17,7 +17,7 @@ def llm() -> LLM:
 
 
 def _bits(o: CompletionOutput) -> tuple:
-    return o.token_ids, o.logprobs, o.text, o.finish_reason
+    return o.token_ids, o.token_logprobs, o.text, o.finish_reason
 
 
 def test_n2_gives_two_outputs_each_replayable_alone_bitwise(llm):
@@ -31,8 +31,8 @@ def test_n2_gives_two_outputs_each_replayable_alone_bitwise(llm):
     assert [o.seed for o in r.outputs] == [top, 0]
     assert r.outputs[0].token_ids != r.outputs[1].token_ids
     for o in r.outputs:
-        assert len(o.token_ids) == len(o.logprobs) == 6 and o.finish_reason == "length"
-        assert o.cumulative_logprob == sum(o.logprobs)
+        assert len(o.token_ids) == len(o.token_logprobs) == 6 and o.finish_reason == "length"
+        assert o.cumulative_logprob == sum(o.token_logprobs) and o.logprobs is None
     replays = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=6, temperature=1.0,
                                                          seed=o.seed) for o in r.outputs])
     assert [len(x.outputs) for x in replays] == [1, 1]
@@ -76,7 +76,7 @@ def test_score_refuses_text_with_a_type_error_naming_the_difference_from_vllm(ll
 
 
 def test_min_tokens_holds_back_eos(llm):
-    eos = llm.get_tokenizer().eos_token_ids
+    eos = llm.tokenizer.eos_token_ids
     forced = dict(max_tokens=8, temperature=0.0, logit_bias={t: 100.0 for t in eos})
     now, held = (r.outputs[0] for r in llm.generate(
         [PROMPT] * 2, [SamplingParams(**forced), SamplingParams(**forced, min_tokens=3)]))

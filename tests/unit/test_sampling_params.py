@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from samebits import SamplingParams
-from samebits.sampling_params import choice_seed
+from samebits.engine.fanout import choice_seed
 
 INVALID = [
     ("max_tokens", 0),
