@@ -23,6 +23,7 @@ def test_byte_level_table_inverts_gpt2_alphabet():
     assert _UNBYTE["Ġ"] == 0x20 and _UNBYTE["Ċ"] == 0x0A and _UNBYTE["a"] == ord("a")
 
 
+@pytest.mark.smoke
 def test_seeds_are_s_plus_i_per_prompt():
     params = SamplingParams(max_tokens=2, seed=10)
     group = _group([[1], [2]], [params, params], n=3)

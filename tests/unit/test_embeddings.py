@@ -107,6 +107,7 @@ def test_default_model_is_minilm_mean_pooled_and_normalized(inv):
     assert inv.fingerprint.startswith("fp_") and inv.fingerprint != _emb(False).fingerprint
 
 
+@pytest.mark.smoke
 def test_token_ids_give_the_same_vector_as_text(inv):
     ids = inv.tokenize("the same text")[0]
     assert inv.embed([ids]) == inv.embed("the same text") == inv.embed(ids)

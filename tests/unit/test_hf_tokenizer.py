@@ -58,6 +58,7 @@ def test_encode_call_and_tokens_equal_transformers(pair):
         assert torch.equal(got.input_ids, want.input_ids)
 
 
+@pytest.mark.smoke
 def test_decode_and_batch_decode_equal_transformers(pair):
     ours, hf = pair
     batch = [hf.encode(t) for t in TEXTS]

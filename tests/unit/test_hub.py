@@ -49,6 +49,7 @@ def test_a_cached_hub_id_loads_the_snapshot_bitwise_as_its_directory(hub_cache, 
     assert resolve_model_dir("org/tiny") == by_id.engine.loaded.model_dir  # serve's path
 
 
+@pytest.mark.smoke
 def test_a_missing_model_names_the_id_the_cache_folder_and_the_fetch_command(hub_cache,
                                                                             offline_hub):
     with pytest.raises(ModelFormatError) as e:

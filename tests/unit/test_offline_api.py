@@ -22,6 +22,7 @@ def _bits(o: CompletionOutput) -> tuple:
     return o.token_ids, o.token_logprobs, o.text, o.finish_reason
 
 
+@pytest.mark.smoke
 def test_n2_gives_two_outputs_each_replayable_alone_bitwise(llm):
     top = 2**63 - 1  # choice 1's seed wraps to 0
     out = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=top, n=2))

@@ -36,6 +36,7 @@ def test_stream_never_sends_a_partial_character_and_adds_up_to_the_text():
     assert "\ufffd" not in "".join(sent) and "".join(sent) == final == "aé日b🙂" and stop is None
 
 
+@pytest.mark.smoke
 def test_stream_holds_back_what_a_stop_string_could_claim():
     sent, final, stop = _run("abSTOP and more", stop=["STOP"])
     assert stop == "STOP" and final == "ab" and "".join(sent) == "ab"

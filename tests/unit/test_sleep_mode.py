@@ -64,6 +64,7 @@ def test_weights_updated_while_asleep_equal_a_fresh_engine_with_those_weights(co
     assert _bits(llm) == before
 
 
+@pytest.mark.smoke
 def test_sleep_needs_sleep_mode_and_a_valid_level(config_file):
     plain = LLM(config_file, load_format="dummy", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_sleep_mode=True"):

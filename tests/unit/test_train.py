@@ -134,6 +134,7 @@ def test_standard_mode_trainer_differs_from_its_sampler(model_dir):
     assert _mismatches(TrainableLM.from_llm(llm), seqs, starts, sampled) > 0
 
 
+@pytest.mark.smoke
 def test_trainable_lm_loads_like_llm(model_dir):
     llm = LLM(str(model_dir))
     seqs, starts, sampled = _rollout(llm)
