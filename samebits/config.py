@@ -222,7 +222,8 @@ class EngineConfig:
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         """The engine options every command that builds an engine takes (generate, verify,
         serve, bench); ``from_cli_args`` turns them into an ``EngineConfig``."""
-        p.add_argument("--model", default=None, help="HF directory, .gguf file, or config.json "
+        p.add_argument("--model", default=None, help="HF directory, Hugging Face id (org/name: "
+                       "from the HF cache, downloaded when missing), .gguf file, or config.json "
                        "(with --load-format dummy); None: the embedded SmolLM2-135M-Instruct "
                        "(all-MiniLM-L6-v2 with --task embed)")
         p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

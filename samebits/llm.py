@@ -6,7 +6,6 @@ Fan-out and seeds come from ``samebits.engine.fanout``, outputs from the engine'
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -16,10 +15,10 @@ from typing import Any
 from tqdm import tqdm
 
 from samebits.config import EngineConfig
-from samebits.engine.engine import LLMEngine, prepare_cpu_kernels
+from samebits.engine.engine import LLMEngine
 from samebits.engine.fanout import best, candidates, request_seed
 from samebits.engine.sequence import Sequence
-from samebits.log import get_logger
+from samebits.llm_options import build_embedder, check_options, loaded_with_tokenizer, local_model
 from samebits.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -32,9 +31,6 @@ from samebits.text.chat_template import render_chat
 from samebits.text.hf_tokenizer import HFTokenizer
 
 PromptInput = str | list[int] | dict[str, Any]  # {"prompt": str} or {"prompt_token_ids": [...]}
-QUANTIZATIONS = (None, "gguf")  # gguf: a .gguf file, dequantized once to ``dtype``
-log = get_logger("llm")
-_said_no_remote_code = False
 
 
 class LLM:
@@ -56,18 +52,18 @@ class LLM:
                  revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, trust_remote_code: bool = False,
                  enable_sleep_mode: bool = False, **kwargs: Any) -> None:
-        _check_options(model, quantization, trust_remote_code, kwargs)
-        model = _local_model(model, revision, download_dir)
+        check_options(model, quantization, trust_remote_code, kwargs)
+        model = local_model(model, revision, download_dir)
         self.config = EngineConfig(model=model, **kwargs)
         self.enable_sleep_mode = enable_sleep_mode
         self.embedder = self.engine = None
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizer | None = None
         if self.config.task == "embed":  # an encoder: only ``embed`` / ``encode``
-            self.embedder = _embedder(self.config)
+            self.embedder = build_embedder(self.config)
             return
-        self.engine = LLMEngine(self.config, _with_tokenizer(self.config, tokenizer, revision,
-                                                             download_dir))
+        self.engine = LLMEngine(self.config, loaded_with_tokenizer(self.config, tokenizer,
+                                                                   revision, download_dir))
 
     # ---- properties --------------------------------------------------------------------------
     @property
@@ -316,62 +312,6 @@ class LLM:
         with bar(total=total, disable=not use_tqdm, desc="Processed prompts") as progress:
             for _ in self.engine.run_to_completion():
                 progress.update(1)
-
-
-def _check_options(model: str | None, quantization: str | None, trust_remote_code: bool,
-                   kwargs: dict[str, Any]) -> None:
-    """vLLM's options samebits takes, each honoured or refused by name."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise TypeError(f"LLM() got unsupported option(s) {unknown}: samebits does not take them "
-                        f"(and never ignores an option); it takes {sorted(names)} and tokenizer, "
-                        "revision, download_dir, quantization, trust_remote_code, "
-                        "enable_sleep_mode")
-    gguf = model is None or str(model).endswith(".gguf")
-    if quantization not in QUANTIZATIONS or (quantization == "gguf" and not gguf):
-        raise ValueError(f"quantization={quantization!r} is not supported: samebits runs "
-                         "weights as stored in float32, bfloat16 or float16 (dtype=); supported "
-                         "are None and 'gguf' (a .gguf file, dequantized once at load)")
-    global _said_no_remote_code
-    if trust_remote_code and not _said_no_remote_code:
-        _said_no_remote_code = True
-        log.info("trust_remote_code=True is accepted and changes nothing: samebits never runs "
-                 "code from a checkpoint; it loads only the architectures it implements")
-
-
-def _local_model(model: str | None, revision: str | None, download_dir: str | None
-                 ) -> str | None:
-    """A hub id (``org/name``) becomes its snapshot directory in the HF cache."""
-    from samebits.loader import hub
-    if model is None or Path(model).expanduser().exists() or not hub.is_repo_id(model):
-        return model
-    return str(hub.resolve(model, revision, download_dir))
-
-
-def _with_tokenizer(config: EngineConfig, tokenizer: str | None, revision: str | None,
-                    download_dir: str | None):
-    """The loaded model, with ``tokenizer``'s tokenizer in place of its own (None: its own)."""
-    if tokenizer is None:
-        return None
-    from samebits.loader import load
-    from samebits.text.tokenizer import Tokenizer
-    path = Path(_local_model(tokenizer, revision, download_dir)).expanduser()
-    loaded = load(config)
-    tok = Tokenizer.from_dir(path.parent if path.is_file() else path,
-                             loaded.model_config.eos_token_ids)
-    if tok is None:
-        raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer.json in {path}")
-    loaded.tokenizer = tok
-    return loaded
-
-
-def _embedder(config: EngineConfig):
-    from samebits.decoder_embedder import DecoderEmbedder, is_decoder_model
-    from samebits.embedder import Embedder
-    if config.torch_device.type == "cpu" and config.batch_invariant:
-        prepare_cpu_kernels()
-    return (DecoderEmbedder if is_decoder_model(config) else Embedder)(config)
 
 
 def _no_lora(lora_request: Any) -> None:

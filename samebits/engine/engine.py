@@ -9,7 +9,6 @@ sequences into what callers read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import random
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from samebits.engine.output_processor import OutputProcessor
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import Sequence
-from samebits.loader import LoadedModel, load, numerics_fingerprint
+from samebits.loader import LoadedModel, load, numerics_fingerprint, updated_digest
 from samebits.log import get_logger
 from samebits.models.weights import update_weights
 from samebits.outputs import RequestMetrics
@@ -330,7 +329,7 @@ class LLMEngine:
             raise RuntimeError("update_weights: requests are in flight; drain the engine first")
         model = self.loaded.model  # the full model (under tensor parallel: rank 0's)
         items = update_weights(model, named_tensors)
-        self.loaded.weights_digest = _updated_digest(self.loaded.weights_digest, items)
+        self.loaded.weights_digest = updated_digest(self.loaded.weights_digest, items)
         self.fingerprint = self.loaded.fingerprint = numerics_fingerprint(
             self.config, self.loaded.model_config, model.ops, self.loaded.weights_digest)
         hook = getattr(model.ops, "weights_updated", None)
@@ -390,16 +389,6 @@ class LLMEngine:
 def _mark_finished(seq: Sequence, now: float | None = None) -> None:
     if seq.metrics is not None:
         seq.metrics.finished_time = time.time() if now is None else now
-
-
-def _updated_digest(digest: str, items: list[tuple[str, torch.Tensor]]) -> str:
-    """The weights digest after an in-place update: the old digest chained with every updated
-    (name, tensor bytes), in name order."""
-    h = hashlib.sha256(digest.encode())
-    for name, tensor in sorted(items, key=lambda it: it[0]):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def prepare_cpu_kernels() -> None:

@@ -109,3 +109,13 @@ def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: 
         if not config.batch_invariant:
             parts.append(f"tp={config.tensor_parallel_size}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def updated_digest(digest: str, items: list[tuple[str, torch.Tensor]]) -> str:
+    """The weights digest after an in-place update: the old digest chained with every updated
+    (name, tensor bytes), in name order."""
+    h = hashlib.sha256(digest.encode())
+    for name, tensor in sorted(items, key=lambda it: it[0]):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -54,8 +54,8 @@ def test_unknown_options_and_quantizations_are_refused_by_name(config_file):
 
 def test_trust_remote_code_is_accepted_and_says_no_code_runs_once(config_file, caplog,
                                                                   monkeypatch):
-    import samebits.llm
-    monkeypatch.setattr(samebits.llm, "_said_no_remote_code", False)
+    import samebits.llm_options
+    monkeypatch.setattr(samebits.llm_options, "_said_no_remote_code", False)
     with caplog.at_level(logging.INFO, logger="samebits"):
         for _ in range(2):
             LLM(config_file, load_format="dummy", num_kv_blocks=8, trust_remote_code=True)
