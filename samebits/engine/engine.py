@@ -393,12 +393,19 @@ def _mark_finished(seq: Sequence, now: float | None = None) -> None:
 
 def prepare_cpu_kernels() -> None:
     """Build (first run: g++, some 20 s) or load (cached: milliseconds) the invariant CPU kernels,
-    saying so with the time it took."""
+    once per process, saying so with the time it took."""
+    global _cpu_kernels_ready
+    if _cpu_kernels_ready:
+        return
     from samebits.ops import cpu_kernels
     start = time.perf_counter()
     log.info("loading the invariant CPU kernels (built with g++ on the first run, then cached)")
     cpu_kernels.load()
     log.info("invariant CPU kernels ready in %.1f s", time.perf_counter() - start)
+    _cpu_kernels_ready = True
+
+
+_cpu_kernels_ready = False
 
 
 def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:
