@@ -274,8 +274,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why the sequence ends with ``token`` (None: it goes on); sets ``stop_reason`` and
-        feeds the token's text to the sequence's ``OutputText`` (a stop token's only with
-        ``include_stop_str_in_output``, as vLLM)."""
+        feeds the token to the sequence's ``OutputText`` (a stop token only with
+        ``include_stop_str_in_output``, as vLLM), searched for stop strings from
+        ``min_tokens`` on."""
         p, n, text = seq.params, len(seq.output_token_ids), seq.detokenizer
         if token in seq.stop_ids and n > p.min_tokens:  # sampling masks them before min_tokens
             eos = token in self._eos and not p.ignore_eos
@@ -283,11 +284,14 @@ class LLMEngine:
             if text is not None and p.include_stop_str_in_output:
                 text.push(token)
             return "stop"
-        new = text.push(token) if text is not None else ""
+        new = 0
+        if text is not None:
+            text.push(token)
+            new = text.drain() if text.has_stops else 0  # else detokenized when read
         if seq.grammar is not None and seq.grammar.terminated:  # a complete output, then a stop token
             return "stop"
-        if text is not None and n >= p.min_tokens:
-            seq.stop_reason = text.find_stop(len(new))
+        if new and n >= p.min_tokens:
+            seq.stop_reason = text.find_stop(new)
             if seq.stop_reason is not None:
                 return "stop"
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:

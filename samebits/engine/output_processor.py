@@ -22,9 +22,11 @@ from samebits.text.tokenizer import Tokenizer
 
 
 class OutputText:
-    """One sequence's output text. Tokens are pushed as they are generated (a stop token only
-    with ``include_stop_str_in_output``); ``final`` is set when the sequence finishes, cut at a
-    stop string (after it with ``include_stop_str_in_output``)."""
+    """One sequence's output text. Generated tokens are pushed as they come (a stop token only
+    with ``include_stop_str_in_output``) and detokenized when the text is needed: every token for
+    a request with stop strings (the engine searches each token's new characters), else when a
+    stream asks or at the end -- the same text either way. ``final`` is set when the sequence
+    finishes, cut at a stop string (after it with ``include_stop_str_in_output``)."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.stop_strings,
@@ -35,10 +37,20 @@ class OutputText:
         self.hold = 0 if self.include_stop else max(longest - 1, 0)
         self.final: str | None = None
         self.sent = 0  # characters handed to a stream
+        self._pending: list[int] = []  # pushed, not yet detokenized
 
-    def push(self, token_id: int) -> str:
-        """Append a generated token; the characters it completed."""
-        return self.detokenizer.push(token_id)
+    @property
+    def has_stops(self) -> bool:
+        return bool(self.detokenizer.stops)
+
+    def push(self, token_id: int) -> None:
+        self._pending.append(token_id)
+
+    def drain(self) -> int:
+        """Detokenize the pending tokens; how many characters they completed."""
+        new = sum(len(self.detokenizer.push(t)) for t in self._pending)
+        self._pending.clear()
+        return new
 
     def find_stop(self, num_new: int) -> str | None:
         """The stop string that ends within the last ``num_new`` characters, if any; the text is
@@ -53,6 +65,7 @@ class OutputText:
     def finish(self) -> str:
         """The final text (pending bytes of an incomplete character flushed, as a full decode)."""
         if self.final is None:
+            self.drain()
             self.detokenizer.flush()
             self.final = self.detokenizer.text
         return self.final
@@ -60,7 +73,11 @@ class OutputText:
     def stream(self, finished: bool) -> str:
         """The text not yet streamed that is certain to be in the final text: all of it once
         ``finished``, else all but the last ``hold`` characters."""
-        text = self.finish() if finished else self.detokenizer.text
+        if finished:
+            text = self.finish()
+        else:
+            self.drain()
+            text = self.detokenizer.text
         end = len(text) if finished else max(len(text) - self.hold, self.sent)
         delta, self.sent = text[self.sent:end], end
         return delta

@@ -45,7 +45,7 @@ def test_hf_model_alone_gives_the_sampled_logprobs_bitwise(sampled):
     with samebits.batch_invariant(), torch.no_grad():
         for out in outs:
             logits = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
-            assert torch.equal(_picked(logits, out), torch.tensor(out.token_logprobs))
+            assert torch.equal(_picked(logits, out), torch.tensor(out.logprobs))
 
 
 def test_hf_right_padded_batch_gives_the_sampled_logprobs_and_backward_runs(sampled):
@@ -58,7 +58,7 @@ def test_hf_right_padded_batch_gives_the_sampled_logprobs_and_backward_runs(samp
     with samebits.batch_invariant():
         logits = hf(ids, attention_mask=mask).logits
         picked = [_picked(logits[i], o) for i, o in enumerate(outs)]
-        assert all(torch.equal(p.detach(), torch.tensor(o.token_logprobs))
+        assert all(torch.equal(p.detach(), torch.tensor(o.logprobs))
                    for p, o in zip(picked, outs, strict=True))
         sum(p.sum() for p in picked).backward()
     grad = hf.model.layers[0].self_attn.q_proj.weight.grad
@@ -71,4 +71,4 @@ def test_stock_hf_does_not_give_the_sampled_logprobs(sampled):
     with torch.no_grad():
         out = outs[1]
         logits = hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
-    assert not torch.equal(_picked(logits, out), torch.tensor(out.token_logprobs))
+    assert not torch.equal(_picked(logits, out), torch.tensor(out.logprobs))

@@ -23,7 +23,8 @@ def _run(text: str, **params) -> tuple[list[str], str, str | None]:
     out = OutputText(CharTokenizer(), SamplingParams(**params))
     sent, stop = [], None
     for b in text.encode():
-        stop = out.find_stop(len(out.push(b)))
+        out.push(b)
+        stop = out.find_stop(out.drain())
         if stop is not None:
             break
         sent.append(out.stream(finished=False))
@@ -59,5 +60,16 @@ def test_finish_flushes_an_incomplete_character_as_the_full_decode_shows_it():
     out = OutputText(CharTokenizer(), SamplingParams())
     for b in "ok日".encode()[:-1]:  # the last byte of 日 never comes
         out.push(b)
+    out.drain()
     assert out.detokenizer.text == "ok"
     assert out.finish() == CharTokenizer().decode(list("ok日".encode()[:-1]))
+
+
+def test_text_read_at_the_end_equals_text_detokenized_token_by_token():
+    text = "naïve 日本 text, 🙂 ok"
+    lazy, eager = (OutputText(CharTokenizer(), SamplingParams()) for _ in range(2))
+    for b in text.encode():
+        lazy.push(b)
+        eager.push(b)
+        eager.drain()
+    assert lazy.finish() == eager.finish() == text
