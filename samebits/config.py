@@ -193,8 +193,8 @@ class EngineConfig:
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if (not isinstance(self.gpu_memory_utilization, int | float)
-                or not 0 < self.gpu_memory_utilization <= 1):
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold,
@@ -229,7 +229,8 @@ class EngineConfig:
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         """The engine options every command that builds an engine takes (generate, verify,
         serve, bench); ``from_cli_args`` turns them into an ``EngineConfig``."""
-        p.add_argument("--model", default=None, help="HF directory, .gguf file, or config.json "
+        p.add_argument("--model", default=None, help="HF directory, Hugging Face id (org/name: "
+                       "from the HF cache, downloaded when missing), .gguf file, or config.json "
                        "(with --load-format dummy); None: the embedded SmolLM2-135M-Instruct "
                        "(all-MiniLM-L6-v2 with --task embed)")
         p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -276,11 +277,11 @@ class EngineConfig:
             model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=not args.no_async_scheduling,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization)
+            tensor_parallel_size=args.tensor_parallel_size)
         if args.standard:
             kwargs["batch_invariant"] = False
         return cls(**{**kwargs, **overrides})

@@ -47,7 +47,7 @@ class LLMPredictor:
         return {**batch,
                 "generated_text": np.array([o.text for o in outs], dtype=object),
                 "token_ids": _ragged([np.array(o.token_ids, dtype=np.int64) for o in outs]),
-                "logprobs": _ragged([np.array(o.logprobs, dtype=np.float32) for o in outs]),
+                "logprobs": _ragged([np.array(o.token_logprobs, dtype=np.float32) for o in outs]),
                 "seed": np.array([o.seed for o in outs], dtype=np.int64)}
 
     def _seed(self, prompt: str | list[int], row_seed: Any) -> int:

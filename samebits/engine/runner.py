@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -84,6 +84,8 @@ class StepResult:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
+    # per sampled row asking for logprobs, its token's rank in the raw distribution (else None)
+    ranks: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -122,20 +124,11 @@ class ModelRunner:
         own = config.num_kv_blocks or max(
             1, KVBudget(self.model, config, self.max_model_len).bytes() // per_block - 1)
         self.num_blocks = self.group.min_int(own)  # every rank holds the same block ids
-        # one block more than the pool hands out: the scratch block CUDA-graph padding rows write
-        shape = self.model.kv_cache_shape(self.num_blocks + 1, config.block_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(len(self.model.layers))]
+        self.kv_caches = self._new_kv_caches()
         self.hidden: dict[str, torch.Tensor] = {}  # the last hidden states of each slot
-        self.graphs = None
         self.ahead: AheadStep | None = None  # async scheduling: the next decode step, in flight
         self.ahead_steps_used = 0  # steps served by a step launched ahead, since start
-        if self.device.type == "cuda" and not config.enforce_eager:
-            max_len = min(loaded.max_model_len, self.num_blocks * config.block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
-                                       config.block_size, config.attention_split_size,
-                                       scratch_block=self.num_blocks)
+        self.graphs = self._new_graphs()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
@@ -367,6 +360,7 @@ class ModelRunner:
         result.sampled, result.tokens, result.logprobs = seqs, tokens, values
         pairs = iter(zip(extra[0::2], extra[1::2], strict=True))  # (values, ids) of each top
         result.top_logprobs = [_top(*next(pairs)) if k else {} for k in ks]
+        result.ranks = _ranks(logprobs, values, [s.params.logprobs is not None for s in seqs])
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
@@ -417,6 +411,49 @@ class ModelRunner:
             row += count
 
 
+    # ---- sleep mode (LLMEngine.sleep / wake_up) ------------------------------------------
+    def _new_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V caches per layer: ``num_blocks`` + 1 blocks (the last one the scratch
+        block CUDA-graph padding rows write)."""
+        shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(len(self.model.layers))]
+
+    def _new_graphs(self) -> DecodeGraphs | None:
+        """The decode CUDA graphs over the current caches and weights (None: eager or CPU)."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager:
+            return None
+        max_len = min(self.max_model_len, self.num_blocks * config.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
+                            config.block_size, config.attention_split_size,
+                            scratch_block=self.num_blocks)
+
+    def sleep(self, offload_weights: bool) -> None:
+        """Free the KV cache and the CUDA graphs that read it; with ``offload_weights``, move the
+        weights to host memory too (on CUDA; on CPU they already are). Nothing runs until
+        ``wake_up``."""
+        self.discard_ahead()
+        self.graphs, self.kv_caches = None, []
+        if offload_weights and self.device.type == "cuda":
+            for p in self.model.parameters():
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+                p.data = host.copy_(p.data)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, weights: bool, kv_cache: bool) -> None:
+        """Bring back what ``sleep`` freed: the weights (the same values, on the device), and the
+        KV cache (the same shape, zeroed) with its CUDA graphs captured anew (the weights must
+        be back by then: the graphs read them)."""
+        if weights:
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device)
+        if kv_cache:
+            self.kv_caches = self._new_kv_caches()
+            self.graphs = self._new_graphs()
+
 def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor, extra: list[torch.Tensor] = ()
                 ) -> Callable[[], tuple[list[int], list[float], list[list[float]]]]:
     """Queue the copy to the host of token ids [B] (negative ids read as such), each row's
@@ -455,3 +492,15 @@ def _row_top(row: torch.Tensor, k: int) -> dict[int, float]:
         return {}
     values, ids = row.topk(k)
     return _top(values.tolist(), ids.tolist())
+
+
+def _ranks(logprobs: torch.Tensor, values: list[float], wanted: list[bool]) -> list[int | None]:
+    """Each wanted row's rank of its sampled token: how many tokens have a logprob >= its own
+    (exact: ``values`` are the row's fp32 values), read in one transfer; None elsewhere."""
+    rows = [i for i, w in enumerate(wanted) if w]
+    if not rows:
+        return [None] * len(wanted)
+    index = torch.tensor(rows, device=logprobs.device)
+    chosen = torch.tensor([values[i] for i in rows], dtype=logprobs.dtype, device=logprobs.device)
+    counts = iter((logprobs[index] >= chosen[:, None]).sum(dim=1).tolist())
+    return [next(counts) if w else None for w in wanted]

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
 from samebits.distributed.group import TPGroup
-from samebits.loader import dummy, hf
+from samebits.loader import dummy, hf, hub
 from samebits.models import registry
 from samebits.models.llama import LlamaForCausalLM
 from samebits.ops.backend import get_backend
@@ -31,6 +31,7 @@ class LoadedModel:
     model_dir: Path
     max_model_len: int
     fingerprint: str  # weights digest + dtype + engine version + kernel config
+    weights_digest: str = ""  # what ``fingerprint`` was derived from (numerics_fingerprint)
 
 
 def resolve_model_dir(spec: str | None) -> Path:
@@ -44,6 +45,8 @@ def resolve_model_dir(spec: str | None) -> Path:
         return gguf.convert_gguf(path)
     if path.is_file() and path.suffix == ".json":
         return path.parent
+    if not path.exists() and hub.is_repo_id(spec):  # "org/name": the Hugging Face cache
+        return hub.resolve(spec)
     hf.check_model_dir(path)
     if path.is_file():
         raise ModelFormatError(f"{path}: expected a model directory or a .gguf file")
@@ -85,8 +88,14 @@ def load(config: EngineConfig, group: TPGroup | None = None) -> LoadedModel:
         digest = hf.weights_digest(files)
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
     return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
-                       fingerprint(digest, dtype, config, ops.name, model_config,
-                                   ops.row_parallel_segments or config.tensor_parallel_size > 1))
+                       numerics_fingerprint(config, model_config, ops, digest), digest)
+
+
+def numerics_fingerprint(config: EngineConfig, model_config: ModelConfig, ops, digest: str
+                         ) -> str:
+    """A decoder's fingerprint from its weights digest: at load, and after an in-place update."""
+    return fingerprint(digest, config.torch_dtype, config, ops.name, model_config,
+                       ops.row_parallel_segments or config.tensor_parallel_size > 1)
 
 
 def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
@@ -117,3 +126,13 @@ def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: 
         if not config.batch_invariant:
             parts.append(f"tp={config.tensor_parallel_size}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def updated_digest(digest: str, items: list[tuple[str, torch.Tensor]]) -> str:
+    """The weights digest after an in-place update: the old digest chained with every updated
+    (name, tensor bytes), in name order."""
+    h = hashlib.sha256(digest.encode())
+    for name, tensor in sorted(items, key=lambda it: it[0]):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -14,11 +14,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import CompletionOutput, Sequence, SequenceStatus
-from samebits.sampling_params import SamplingParams, choice_seed
+from samebits.engine.fanout import seed_requests
+from samebits.engine.sequence import Sequence, SequenceStatus
+from samebits.outputs import CompletionOutput
+from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 
@@ -35,21 +37,23 @@ class Delta:
     top_logprobs: list[dict[int, float]]
     output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
+    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
 
 
 @dataclass
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]
-    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
+    params: list[SamplingParams]  # the request's, unseeded per candidate
+    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    seeds: list[int] = field(default_factory=list)  # filled in at admission
+    seed: int | None = None  # the request's seed, given or drawn at admission (engine.fanout)
+    seeds: list[int] = field(default_factory=list)  # per request, filled in at admission
     cached_tokens: list[int] = field(default_factory=list)  # per request, set when it finishes
     prompt_logprobs: list = field(default_factory=list)  # per request (PromptLogprobs | None), same
 
@@ -235,15 +239,12 @@ class AsyncEngine:
             return  # the caller went away before admission
         group, seqs = cmd.group, []
         try:
-            base = None
-            for rid, ids, p, off in zip(group.request_ids, group.prompts, group.params,
+            group.seed, params = seed_requests(group.params, group.seed_offsets,
+                                               self.engine.draw_seed)
+            for rid, ids, p, off in zip(group.request_ids, group.prompts, params,
                                         group.seed_offsets, strict=True):
-                if p.seed is None and base is not None:
-                    p = replace(p, seed=choice_seed(base, off))
-                seq = self.engine.add_request(rid, ids, p, score_only=group.score_only, index=off,
-                                              cache_salt=group.cache_salt)
-                base = choice_seed(seq.seed, -off) if base is None else base
-                seqs.append(seq)
+                seqs.append(self.engine.add_request(rid, ids, p, score_only=group.score_only,
+                                                   index=off, cache_salt=group.cache_salt))
         except Exception as e:  # all or nothing, as LLM.generate
             for seq in seqs:
                 self.engine.abort(seq.request_id)
@@ -329,9 +330,9 @@ class AsyncEngine:
             t.seen, t.last_token = total, now
         output = None
         if seq.is_finished:
-            output = self.engine.completion(seq)
+            output = self.engine.output.completion(seq)
             t.group.cached_tokens[t.index] = seq.num_cached_tokens
-            t.group.prompt_logprobs[t.index] = self.engine.prompt_logprobs(seq)
+            t.group.prompt_logprobs[t.index] = self.engine.output.prompt_logprobs(seq)
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
@@ -339,8 +340,9 @@ class AsyncEngine:
             return
         s = slice(t.sent, total)
         t.sent = total
+        text = self.engine.output.stream_text(seq) if t.group.stream else ""
         _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
-                             seq.top_logprobs[s], output))
+                             seq.top_logprobs[s], output, text=text))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)

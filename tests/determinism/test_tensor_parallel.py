@@ -30,7 +30,7 @@ PARAMS = [SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
 def _outputs(llm: LLM) -> tuple[list, list, str]:
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     scored = llm.score([PROMPTS[1] + outs[1].token_ids])
-    return [(o.token_ids, o.logprobs) for o in outs], scored, llm.fingerprint
+    return [(o.token_ids, o.token_logprobs) for o in outs], scored, llm.fingerprint
 
 
 def shutdown(llm: LLM) -> None:
@@ -133,7 +133,7 @@ def test_default_model_tp_3_equals_default_llm():
     got = {}
     for n in (1, 3):
         llm = LLM(tensor_parallel_size=n, num_kv_blocks=64)
-        got[n] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+        got[n] = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
                   for o in llm.generate(texts, params)]
         shutdown(llm)
     assert got[3] == got[1]

@@ -79,7 +79,7 @@ def _one_rank_reference(config: str, prompts, params):
     for m in llm.engine.runner.model.modules():
         if isinstance(m, RowParallelLinear):
             m.forward = functools.partial(RowParallelLinear.gathered, m)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,6 @@ def test_default_engine_equals_one_rank_tp_model(which, uneven_config):
               for i in range(6)]
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
               kv_cache_memory_bytes=1 << 28, max_num_seqs=8)  # decode replays CUDA graphs
-    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    got = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in llm.generate(prompts, params)]
     assert len(llm.engine.runner.graphs.graphs) > 0
     assert got == _one_rank_reference(config, prompts, params)

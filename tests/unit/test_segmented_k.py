@@ -84,6 +84,7 @@ def test_segmented_linear_is_the_ordered_sum_of_segments_alone(dtype, k, s):
     assert (got.double() - exact).norm() / exact.norm() < (1e-5 if dtype != torch.bfloat16 else 1e-2)
 
 
+@pytest.mark.smoke
 def test_negative_control_one_k_chain_differs_from_segments():
     x, w = _data(37, 200, 40, torch.float32)
     assert not torch.equal(OPS.linear(x, w), OPS.linear(x, w, k_bounds=row_parallel_bounds(200, 6)))
