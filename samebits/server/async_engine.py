@@ -35,7 +35,7 @@ from samebits.server.engine_core import (
     UpdateWeights,
     WeightsUpdated,
 )
-from samebits.server.engine_process import EngineProcess
+from samebits.server.engine_process import EngineProcess, model_bytes
 from samebits.server.metrics import Metrics
 
 __all__ = ["RETRY_AFTER_S", "AsyncEngine", "Delta", "QueueFull", "RequestGroup"]
@@ -46,20 +46,23 @@ RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]
-    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
+    params: list[SamplingParams]  # the request's, unseeded per candidate
+    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    seeds: list[int] = field(default_factory=list)  # filled in at admission
+    seed: int | None = None  # the request's seed, given or drawn at admission (engine.fanout)
+    seeds: list[int] = field(default_factory=list)  # per request, filled in at admission
     cached_tokens: list[int] = field(default_factory=list)  # per request, set when it finishes
     prompt_logprobs: list = field(default_factory=list)  # per request (PromptLogprobs | None), same
 
 
 class _ThreadCore:
     """The engine core on a thread of this process (``EngineProcess``'s interface)."""
+
+    gone = "the engine thread stopped"  # what /health says once it has
 
     def __init__(self, engine: LLMEngine, canary_rate: float) -> None:
         self.core = EngineCore(engine, canary_rate)  # checks the rate now
@@ -152,11 +155,17 @@ class AsyncEngine:
         return self._core is not None and self._core.alive
 
     @property
+    def model_bytes(self) -> int:
+        """Bytes of the served model's weights (rank 0's under tensor parallel)."""
+        engine = self.engine
+        return engine.model_bytes if isinstance(engine, EngineProcess) else model_bytes(engine)
+
+    @property
     def error(self) -> str | None:
         """Why the engine takes no work (a step failed, or the core stopped); None while it
         does."""
         if self._error is None and self._core is not None and not self._core.alive:
-            return "the engine stopped"
+            return self._core.gone
         return self._error
 
     def _check_running(self) -> None:
@@ -226,10 +235,10 @@ class AsyncEngine:
             else:
                 self._weights_updated(reply)
         groups = self._groups
-        for request_id, token_ids, logprobs, top in outputs.tokens:
+        for request_id, token_ids, logprobs, top, text in outputs.tokens:
             if (entry := groups.get(request_id)) is not None:  # else aborted: its caller left
                 group, index = entry
-                group.queue.put_nowait(Delta(index, token_ids, logprobs, top))
+                group.queue.put_nowait(Delta(index, token_ids, logprobs, top, text=text))
         for request_id, delta in outputs.last:
             if (entry := groups.pop(request_id, None)) is not None:
                 group = entry[0]
@@ -248,7 +257,8 @@ class AsyncEngine:
                 done.set_exception(reply.error)
             return
         n = len(group.request_ids)
-        group.seeds, group.cached_tokens, group.prompt_logprobs = reply.seeds, [0] * n, [None] * n
+        group.seed, group.seeds = reply.seed, reply.seeds
+        group.cached_tokens, group.prompt_logprobs = [0] * n, [None] * n
         if not done.done():
             done.set_result(None)
 
@@ -282,7 +292,7 @@ class AsyncEngine:
 
     def _core_gone(self) -> None:
         """The core stopped: whatever still waits for it fails."""
-        self._error = self._error or NOT_RUNNING
+        self._error = self._error or (self._core.gone if self._core is not None else NOT_RUNNING)
         for done, _ in self._admissions.values():
             if not done.done():
                 done.set_exception(RuntimeError(NOT_RUNNING))

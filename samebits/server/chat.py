@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.engine.sequence import CompletionOutput
+from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import chat_logprobs
@@ -39,7 +39,6 @@ from samebits.server.serving import (
     usage,
 )
 from samebits.server.structured import check_constraint, requested_constraint
-from samebits.server.tokens import TextStream
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.chat_template import render_chat
@@ -124,25 +123,22 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
     content, calls = ToolStream(plan).parse(out.text)
     return ChatChoice(index=out.index,
                       message=ChatMessageOut(content=content, tool_calls=calls or None),
-                      logprobs=_logprobs(ctx, req, out.token_ids, out.logprobs, out.top_logprobs),
+                      logprobs=_logprobs(ctx, req, out.token_ids, out.token_logprobs,
+                                         out.top_logprobs),
                       finish_reason=finish_reason(out.finish_reason, bool(calls)), seed=out.seed)
 
 
 async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
                   group: RequestGroup, header: dict) -> AsyncIterator[ChatCompletionChunk]:
-    texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
     tools = [ToolStream(plan) for _ in group.params]
     for i, seed in enumerate(group.seeds):
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
             index=i, delta=ChatDelta(role="assistant", content=""), seed=seed)])
-    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(tools)  # type: ignore[list-item]
     async for d in deltas(group):
-        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
-            text = texts[d.index].finish(d.output.text)
+        if d.output is not None:
             finals[d.index] = d.output
-        else:
-            text = texts[d.index].push(d.token_ids)
-        content, calls = tools[d.index].push(text)
+        content, calls = tools[d.index].push(d.text)  # the engine's text, streamed
         finish = None
         if d.output is not None:
             rest, more = tools[d.index].finish()

@@ -12,7 +12,7 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.engine.sequence import CompletionOutput, PromptLogprobs
+from samebits.outputs import CompletionOutput, PromptLogprobs
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.logprobs import (
@@ -43,7 +43,6 @@ from samebits.server.serving import (
     usage,
 )
 from samebits.server.structured import check_constraint, requested_constraint
-from samebits.server.tokens import TextStream
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
@@ -121,7 +120,7 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput,
             ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.logprobs,
+        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.token_logprobs,
                                        out.top_logprobs)
         if req.echo:
             logprobs = echo_logprobs(ctx.token_text, prompt_ids, prompt_lps, req.logprobs, logprobs)
@@ -135,15 +134,12 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput,
 
 async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
                   header: dict) -> AsyncIterator[CompletionResponse]:
-    texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
-    offsets = [0] * len(texts)
-    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
+    offsets = [0] * len(group.params)
+    finals: list[CompletionOutput] = [None] * len(group.params)  # type: ignore[list-item]
     async for d in deltas(group):
-        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
-            text = texts[d.index].finish(d.output.text)
+        text = d.text  # the engine's output text, streamed (engine.output_processor)
+        if d.output is not None:
             finals[d.index] = d.output
-        else:
-            text = texts[d.index].push(d.token_ids)
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(ctx.token_text, d.token_ids, d.logprobs,

@@ -19,12 +19,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import CompletionOutput, PromptLogprobs, Sequence, SequenceStatus
-from samebits.sampling_params import SamplingParams, choice_seed
+from samebits.engine.fanout import seed_requests
+from samebits.engine.sequence import Sequence, SequenceStatus
+from samebits.outputs import CompletionOutput, PromptLogprobs
+from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 
 log = logging.getLogger("samebits.server")
@@ -39,8 +41,8 @@ class AddGroup:
     group_id: int
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]
-    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
+    params: list[SamplingParams]  # the request's, unseeded per candidate
+    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # a Delta every step, not only the last
     cache_salt: str | None
     score_only: bool
@@ -74,6 +76,7 @@ class Delta:
     top_logprobs: list[dict[int, float]]
     output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
+    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
     cached_tokens: int = 0  # with ``output``: prompt tokens read from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # with ``output``, when asked for
 
@@ -81,7 +84,8 @@ class Delta:
 @dataclass(frozen=True)
 class Admitted:
     group_id: int
-    seeds: list[int] | None  # per request; None when ``error`` refused the group
+    seed: int | None  # the request's seed, given or drawn (engine.fanout); None when refused
+    seeds: list[int] | None  # per request
     error: Exception | None = None
 
 
@@ -112,8 +116,9 @@ class CoreStats:
     error: str | None = None  # set once a step has failed: the core takes no new work
 
 
-# a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs)
-TokenRow = tuple[str, list[int], list[float], list[dict[int, float]]]
+# a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs,
+# the output text it may send)
+TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str]
 
 
 @dataclass
@@ -204,12 +209,17 @@ class EngineCore:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished() or self._update is not None or self.canary.pending
 
-    def _flush(self, send: Callable[[CoreOutputs], None]) -> None:
-        out, self._out = self._out, CoreOutputs()
-        stats, engine = out.stats, self.engine.stats()
-        stats.running, stats.waiting = engine.num_running, engine.num_waiting
-        stats.kv_blocks_used, stats.error = engine.kv_blocks_used, self._error
+    def _flush(self, send: Callable[[CoreOutputs], None], engine_state: bool = True) -> None:
+        """Send what the turn produced (``engine_state``: with the engine's queue and KV
+        figures, which a failing engine may not give)."""
+        stats = self._out.stats
+        if engine_state:
+            engine = self.engine.stats()
+            stats.running, stats.waiting = engine.num_running, engine.num_waiting
+            stats.kv_blocks_used = engine.kv_blocks_used
+        stats.error = self._error
         self._tally.take(stats)
+        out, self._out = self._out, CoreOutputs()
         send(out)
 
     # ---- commands -------------------------------------------------------------------------
@@ -240,15 +250,11 @@ class EngineCore:
     def _add(self, cmd: AddGroup) -> None:
         seqs: list[Sequence] = []
         try:
-            base = None
-            for rid, ids, p, off in zip(cmd.request_ids, cmd.prompts, cmd.params,
-                                        cmd.seed_offsets, strict=True):
-                if p.seed is None and base is not None:
-                    p = replace(p, seed=choice_seed(base, off))
-                seq = self.engine.add_request(rid, ids, p, score_only=cmd.score_only, index=off,
-                                              cache_salt=cmd.cache_salt)
-                base = choice_seed(seq.seed, -off) if base is None else base
-                seqs.append(seq)
+            seed, params = seed_requests(cmd.params, cmd.seed_offsets, self.engine.draw_seed)
+            for rid, ids, p, off in zip(cmd.request_ids, cmd.prompts, params, cmd.seed_offsets,
+                                        strict=True):
+                seqs.append(self.engine.add_request(rid, ids, p, score_only=cmd.score_only,
+                                                    index=off, cache_salt=cmd.cache_salt))
         except Exception as e:  # all or nothing, as LLM.generate
             for seq in seqs:
                 self.engine.abort(seq.request_id)
@@ -257,11 +263,11 @@ class EngineCore:
             self._tracked[seq.request_id] = _Tracked(i, seq, cmd.stream, cmd.arrival)
             self._queued.add(seq.request_id)
             self._out.stats.prompt_tokens += len(seq.prompt_token_ids)
-        self._out.replies.append(Admitted(cmd.group_id, [s.seed for s in seqs]))
+        self._out.replies.append(Admitted(cmd.group_id, seed, [s.seed for s in seqs]))
 
     def _refuse(self, cmd: AddGroup, error: Exception) -> None:
         self._out.stats.dequeued += len(cmd.request_ids)
-        self._out.replies.append(Admitted(cmd.group_id, None, error))
+        self._out.replies.append(Admitted(cmd.group_id, None, None, error))
 
     def _queue_update(self, cmd: UpdateWeights) -> None:
         if self._update is not None:
@@ -341,13 +347,14 @@ class EngineCore:
             s = slice(t.sent, total)
             t.sent = total
             self._out.tokens.append((seq.request_id, seq.output_token_ids[s], seq.logprobs[s],
-                                     seq.top_logprobs[s]))
+                                     seq.top_logprobs[s], self.engine.output.stream_text(seq)))
 
     def _last_delta(self, seq: Sequence, t: _Tracked) -> Delta:
-        s = slice(t.sent, len(seq.output_token_ids))
+        s, output = slice(t.sent, len(seq.output_token_ids)), self.engine.output
+        text = output.stream_text(seq) if t.stream else ""
         return Delta(t.index, seq.output_token_ids[s], seq.logprobs[s], seq.top_logprobs[s],
-                     self.engine.completion(seq), cached_tokens=seq.num_cached_tokens,
-                     prompt_logprobs=self.engine.prompt_logprobs(seq))
+                     output.completion(seq), text=text, cached_tokens=seq.num_cached_tokens,
+                     prompt_logprobs=output.prompt_logprobs(seq))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)
@@ -361,7 +368,6 @@ class EngineCore:
 
     def _shut_down(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
         """Fail what is in flight and what is still queued: no caller waits forever."""
-        self._error = self._error or NOT_RUNNING
         for request_id in list(self._tracked):
             self._fail(request_id, "the server is shutting down")
         pending: list[Any] = self._held + ([self._update] if self._update else [])
@@ -375,6 +381,6 @@ class EngineCore:
                 self._out.replies.append(WeightsUpdated(cmd.call_id, None,
                                                         RuntimeError(NOT_RUNNING)))
         try:
-            self._flush(send)
+            self._flush(send, engine_state=False)
         except Exception:  # nobody is listening any more
             log.debug("the engine loop's last outputs were not delivered", exc_info=True)

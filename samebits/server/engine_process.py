@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from samebits.config import EngineConfig
+from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
 from samebits.server.engine_core import CoreOutputs, EngineCore, Stop
 from samebits.text.tokenizer import Tokenizer
@@ -47,6 +48,7 @@ class EngineInfo:
     tokenizer: Tokenizer | None
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # the stop ids structured output completes with
+    model_bytes: int  # of the served model's weights (rank 0's under tensor parallel)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class _Start:
 class EngineProcess:
     """The server's handle on an engine core process (see the module docstring)."""
 
+    gone = "the engine process stopped"  # what /health says once it has
+
     def __init__(self, config: EngineConfig, log_level: str = "warning") -> None:
         context = mp.get_context("spawn")  # CUDA cannot be forked; nothing is inherited
         self._conn, child = context.Pipe(duplex=True)
@@ -75,7 +79,7 @@ class EngineProcess:
         info = self._handshake()
         self.config, self.fingerprint = info.config, info.fingerprint
         self.max_model_len, self.kv_blocks_total = info.max_model_len, info.kv_blocks_total
-        self.tokenizer = info.tokenizer
+        self.tokenizer, self.model_bytes = info.tokenizer, info.model_bytes
         self.grammars = (GrammarCompiler(info.tokenizer, info.vocab_size, info.eos_token_ids)
                          if info.tokenizer is not None else None)
 
@@ -190,6 +194,11 @@ class _Outbox:
         self._thread.join()
 
 
+def model_bytes(engine: LLMEngine) -> int:
+    """Bytes of the engine's model weights (rank 0's full model under tensor parallel)."""
+    return sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+
+
 def _portable(error: BaseException) -> BaseException:
     """``error`` if it survives pickling, else a RuntimeError with its message."""
     try:
@@ -204,7 +213,6 @@ def _main(config: EngineConfig, conn: Connection, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
-    from samebits.engine.engine import LLMEngine
     try:
         engine = LLMEngine(config)
     except BaseException as e:
@@ -213,7 +221,7 @@ def _main(config: EngineConfig, conn: Connection, log_level: str) -> None:
     eos = tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids
     _send(conn, EngineInfo(config, engine.fingerprint, engine.max_model_len,
                            engine.stats().kv_blocks_total, tokenizer, model.vocab_size,
-                           tuple(sorted(eos))))
+                           tuple(sorted(eos)), model_bytes(engine)))
     inbox = _PipeInbox(conn)
     start = inbox.get(True)
     if isinstance(start, _Start):
