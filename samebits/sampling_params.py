@@ -39,6 +39,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, HF/vLLM: on prompt + generated tokens
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (grammar.py)
+    # vLLM's per-request masks (samebits.engine.logits_processor): only these token ids may be
+    # sampled; no output may complete one of these words (each tokenized as at the start and as
+    # in the middle of a text); bad_words_token_ids: their token ids (the engine fills them in)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's output options: keep the stop string (or stop token's text) in the text; decode
+    # special tokens; put spaces between them; keep only the last k prompt tokens (-1: as many as
+    # the context holds)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -67,6 +80,7 @@ class SamplingParams:
         self._check_choices()
         self._check_stops()
         self._check_controls()
+        self._check_masks()
 
     def _check_choices(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -114,6 +128,29 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], "
                              f"got {self.min_tokens!r}")
+
+    def _check_masks(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (isinstance(allowed, list | tuple) and allowed
+                                        and all(_is_int(t) and t >= 0 for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids "
+                             f"(integers >= 0), got {allowed!r}")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, list | tuple)
+                                      and all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        ids = self.bad_words_token_ids
+        if ids is not None and not all(isinstance(w, list | tuple) and w
+                                       and all(_is_int(t) and t >= 0 for t in w) for w in ids):
+            raise ValueError("bad_words_token_ids must be lists of token ids (integers >= 0)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an "
+                             f"integer >= 1, got {k!r}")
 
     @property
     def greedy(self) -> bool:

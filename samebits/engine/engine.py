@@ -17,6 +17,7 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
+from samebits.engine.logits_processor import with_bad_words_token_ids
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, Sequence
@@ -92,6 +93,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
+        params = with_bad_words_token_ids(params, self.tokenizer)
         self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
         seed = params.seed if params.seed is not None else self.draw_seed()
@@ -126,7 +128,9 @@ class LLMEngine:
     def _check_token_params(self, params: SamplingParams) -> None:
         vocab = self.loaded.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids or ())):
+                          ("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
