@@ -173,16 +173,22 @@ def _rate(text: str) -> float:
     return value
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """OpenAI-compatible HTTP server (samebits.server); the port is checked before the model
-    loads."""
-    from samebits.server.app import serve
-    from samebits.server.launch import check_port, no_effect_notes
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's form) or ``serve --model MODEL``: either sets ``args.model``; two
+    different models are a usage error."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             args.parser.error(f"the model is given twice: {args.model_tag!r} and --model "
                               f"{args.model!r}")
         args.model = args.model_tag
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server (samebits.server); the port is checked before the model
+    loads."""
+    from samebits.server.app import serve
+    from samebits.server.launch import check_port, no_effect_notes
+    resolve_model_arg(args)
     check_port(args.host, args.port)
     for note in no_effect_notes(args):
         print(f"samebits: {note}", file=sys.stderr)

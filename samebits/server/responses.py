@@ -49,7 +49,9 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     spec = await _constraint(ctx, req, plan)
     text = await asyncio.to_thread(_render, ctx, req, tools)
     ids = await ctx.encode(text, "input")
-    max_tokens = req.max_output_tokens or ctx.max_model_len - len(ids)
+    max_tokens = req.max_output_tokens
+    if max_tokens is None:
+        max_tokens = ctx.max_model_len - len(ids)
     ctx.check_length(ids, max_tokens, "input")
     params = _sampling_params(req, max_tokens, spec)
     response_id = item_id("resp")

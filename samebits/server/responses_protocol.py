@@ -218,8 +218,7 @@ class ResponsesRequest(_Request):
         return value
 
 
-_TAGS = ("list[tagged-union[Message,FunctionCallItem,FunctionCallOutput]]", "message",
-         "function_call", "function_call_output")
+_TAGS = ("message", "function_call", "function_call_output")  # union tags in error locations
 _UNSUPPORTED = {
     "reasoning": "not supported: this model does not reason (leave reasoning out)",
     "max_tool_calls": "not supported: every tool call the model writes is returned",
