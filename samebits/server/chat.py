@@ -131,13 +131,13 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, "this model has no tokenizer, so no chat template", param="messages")
     messages = [_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tool_list()]
-    kwargs = {"add_generation_prompt": req.add_generation_prompt,
-              **(req.chat_template_kwargs or {})}
-    if reserved := {"messages", "tools"} & set(req.chat_template_kwargs or {}):
+    kwargs = req.chat_template_kwargs or {}
+    if reserved := {"messages", "tools", "add_generation_prompt"} & set(kwargs):
         raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set from the request "
                        "itself", param="chat_template_kwargs")
     try:
-        text = render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs)
+        text = render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
+                           add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     return _continued(text, req.messages[-1].text()) if req.continue_final_message else text

@@ -29,7 +29,8 @@ TOOLS_PROMPT = (
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, template: str | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True) -> str:
     """The prompt text; ``ValueError`` when there is no template or it fails."""
     template = template or tokenizer.chat_template
     if not template:
@@ -40,8 +41,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
         messages = [_hermes_message(m) for m in messages]
     if tools and "tools" not in template:
         messages, tools = _tools_in_system(messages, tools), None
-    return tokenizer.apply_chat_template(messages, tools=tools or None, template=template,
-                                         **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools or None,
+                                         template=template, **(template_kwargs or {}))
 
 
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
