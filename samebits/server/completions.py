@@ -2,7 +2,11 @@
 
 Scoring (what eval harnesses send): ``echo`` with ``logprobs`` returns the prompt's logprobs
 (the first null) followed by exactly the generated tokens'; ``max_tokens: 0`` generates nothing
-(a teacher-forced pass, as ``LLM.score``). Prompt logprobs are bitwise ``LLM.score``'s values."""
+(a teacher-forced pass, as ``LLM.score``). Prompt logprobs are bitwise ``LLM.score``'s values.
+Streamed, ``echo`` sends each choice's prompt in its first chunk (the prompt's logprobs are known
+only at the end: ``echo`` with ``logprobs`` is not streamed). vLLM's ``return_token_ids`` adds
+``prompt_token_ids`` and each choice's ``token_ids``; ``truncate_prompt_tokens`` keeps each
+prompt's last k tokens (``echo`` then repeats what is left)."""
 
 from __future__ import annotations
 
@@ -57,15 +61,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     check_logprobs(ctx, req.logprobs, "logprobs")
     check_logprobs(ctx, req.prompt_logprobs, "prompt_logprobs")
     prompts = [truncated(ctx, p, req.truncate_prompt_tokens) for p in await _prompts(ctx, req.prompt)]
+    _check_shape(req, len(prompts))
     k = req.num_candidates()
-    if len(prompts) * k > MAX_CHOICES:
-        name = "n" if req.best_of is None else "best_of"
-        raise APIError(400, f"{len(prompts)} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
-                       "per request", param=name)
-    if req.stream and (req.prompt_logprobs is not None or (req.echo and req.logprobs is not None)):
-        param = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
-        raise APIError(400, f"{param} of the prompt (prompt_logprobs, or echo with logprobs) "
-                       "cannot be streamed; send it without stream", param=param)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         ctx.check_length(ids, max_tokens, "prompt")
@@ -93,6 +90,19 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     body = CompletionResponse(**header, choices=choices,
                               usage=usage(prompts, outputs, cached_tokens(group, k)))
     return hashed_json(body, chosen)
+
+
+def _check_shape(req: CompletionRequest, num_prompts: int) -> None:
+    """A 400 for too many choices, and for prompt logprobs asked of a stream."""
+    k = req.num_candidates()
+    if num_prompts * k > MAX_CHOICES:
+        name = "n" if req.best_of is None else "best_of"
+        raise APIError(400, f"{num_prompts} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
+                       "per request", param=name)
+    if req.stream and (req.prompt_logprobs is not None or (req.echo and req.logprobs is not None)):
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
+        raise APIError(400, f"{param} of the prompt (prompt_logprobs, or echo with logprobs) "
+                       "cannot be streamed; send it without stream", param=param)
 
 
 def _prompt_k(req: CompletionRequest) -> int | None:

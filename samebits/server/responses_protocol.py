@@ -125,7 +125,7 @@ class FunctionTool(_Request):
         return value
 
 
-class NamedFunction(_Request):
+class FunctionChoice(_Request):
     type: Literal["function"]
     name: str
 
@@ -145,7 +145,7 @@ class TextConfig(_Request):
     verbosity: Literal["medium"] | None = None  # the model's own; others would change it
 
 
-class StreamOptions(_Request):
+class ResponsesStreamOptions(_Request):
     include_obfuscation: bool | None = None  # no effect: samebits adds no obfuscation padding
 
 
@@ -161,9 +161,9 @@ class ResponsesRequest(_Request):
     include: list[Literal["message.output_text.logprobs"]] | None = None
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None  # accepted: nothing is stored either way
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None

@@ -156,3 +156,14 @@ def test_what_samebits_does_not_do_is_a_400_naming_it(server, body, param, words
 def test_openai_sdk_sees_the_stateless_refusal(server):
     with pytest.raises(openai.BadRequestError, match="stores no responses"):
         server.client().responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+
+
+def test_openapi_documents_the_responses_body_beside_the_chat_one(server):
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    body = spec["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
+    assert {"input", "instructions", "text", "tools"} <= set(schemas["ResponsesRequest"][
+        "properties"])
+    assert "continuous_usage_stats" in schemas["StreamOptions"]["properties"]  # chat's, intact
+    assert "/v1/models/{model_id}" in spec["paths"]
