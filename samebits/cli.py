@@ -173,14 +173,17 @@ def _rate(text: str) -> float:
     return value
 
 
-def resolve_model_arg(args: argparse.Namespace) -> None:
+def settle_serve_args(args: argparse.Namespace) -> None:
     """``serve MODEL`` (vLLM's form) or ``serve --model MODEL``: either sets ``args.model``; two
-    different models are a usage error."""
+    different models are a usage error, as is ``--tokenizer`` for an embedding model."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             args.parser.error(f"the model is given twice: {args.model_tag!r} and --model "
                               f"{args.model!r}")
         args.model = args.model_tag
+    if args.task == "embed" and args.tokenizer is not None:
+        args.parser.error("--tokenizer applies to a generation model (an embedding model reads "
+                          "its own tokenizer)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -188,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loads."""
     from samebits.server.app import serve
     from samebits.server.launch import check_port, no_effect_notes
-    resolve_model_arg(args)
+    settle_serve_args(args)
     check_port(args.host, args.port)
     for note in no_effect_notes(args):
         print(f"samebits: {note}", file=sys.stderr)

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from samebits.cli import build_parser, main, resolve_model_arg
+from samebits.cli import build_parser, main, settle_serve_args
 from samebits.config import EngineConfig
 from samebits.loader import resolve_model_dir
 from samebits.server import app as server_app
@@ -33,7 +33,7 @@ def tiny_config(tmp_path_factory) -> str:
 
 def _serve(*argv: str):
     args = build_parser().parse_args(["serve", *argv])
-    resolve_model_arg(args)
+    settle_serve_args(args)
     return args
 
 
@@ -43,6 +43,8 @@ def test_the_model_is_positional_or_model_but_not_two_different_ones():
     assert _serve("m", "--model", "m").model == "m"
     with pytest.raises(SystemExit):
         _serve("a", "--model", "b")
+    with pytest.raises(SystemExit):
+        _serve("--task", "embed", "--tokenizer", "tok")
 
 
 def test_vllm_flags_are_accepted_with_their_meaning():
