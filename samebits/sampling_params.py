@@ -50,6 +50,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: ``text`` stays "" (no stop strings then)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    # vLLM's per-request masks (samebits.engine.logits_processor): only these token ids may be
+    # sampled; no output may complete one of these words (each tokenized as at the start and as
+    # in the middle of a text); bad_words_token_ids: their token ids (the engine fills them in)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
@@ -81,6 +87,7 @@ class SamplingParams:
         self._check_controls()
         self._check_text()
         self._alias_guided_decoding()
+        self._check_masks()
 
     def _check_choices(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -156,6 +163,21 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``clone``)."""
         return copy.deepcopy(self)
+
+    def _check_masks(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (isinstance(allowed, list | tuple) and allowed
+                                        and all(_is_int(t) and t >= 0 for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids "
+                             f"(integers >= 0), got {allowed!r}")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, list | tuple)
+                                      and all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        ids = self.bad_words_token_ids
+        if ids is not None and not all(isinstance(w, list | tuple) and w
+                                       and all(_is_int(t) and t >= 0 for t in w) for w in ids):
+            raise ValueError("bad_words_token_ids must be lists of token ids (integers >= 0)")
 
     @property
     def greedy(self) -> bool:

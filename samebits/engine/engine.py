@@ -21,6 +21,7 @@ from samebits.engine.executor import start_runner
 from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
+from samebits.engine.logits_processor import with_bad_words_token_ids
 from samebits.engine.output_processor import OutputProcessor
 from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
@@ -106,6 +107,7 @@ class LLMEngine:
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
         if params.max_tokens is None:  # up to the end of the context
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        params = with_bad_words_token_ids(params, self.tokenizer)
         self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
         seq = Sequence(request_id, list(prompt_token_ids), params,
@@ -153,7 +155,9 @@ class LLMEngine:
     def _check_token_params(self, params: SamplingParams) -> None:
         vocab = self.loaded.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids or ())):
+                          ("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "

@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP server (``samebits serve``): FastAPI routes over the engine loop.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version`` (samebits.server.tokenization).
-With ``--api-key``, every path but ``/health`` (and ``/metrics`` with ``--metrics-public``) needs
-the key, checked before anything else (samebits.server.auth). Every response carries
-``system_fingerprint``, and a generation the seed of each choice. A server serves a generation
-model, an embedding model (``--task embed``), or both (``--embed-model``); ``ServedModels`` routes
-each request to the model it names. The security limits are ``ServerLimits``
-(samebits.server.limits; docs/SECURITY.md).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``, ``GET /version`` (samebits.server.tokenization). With ``--api-key``,
+every path but ``/health`` (and ``/metrics`` with ``--metrics-public``) needs the key, checked
+before anything else (samebits.server.auth). Every response carries ``system_fingerprint``, and a
+generation the seed of each choice. A server serves a generation model, an embedding model
+(``--task embed``), or both (``--embed-model``); ``ServedModels`` routes each request to the model
+it names. The security limits are ``ServerLimits`` (samebits.server.limits; docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -42,16 +42,20 @@ from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingService, create_embedding
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import RequestGuard
+from samebits.server.launch import load_engine, served_names
 from samebits.server.lifecycle import Readiness, ReadinessGate
 from samebits.server.limits import ServerLimits
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
+    MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     ModelList,
 )
+from samebits.server.responses import create_response
+from samebits.server.responses_protocol import ResponsesRequest
 from samebits.server.served_models import ServedModels
 from samebits.server.serving import ServingContext
 from samebits.server.tokens import TokenText
@@ -63,39 +67,44 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_LIMITS = ServerLimits()
 
 
-def build_app(engine: LLMEngine | None, model_name: str | None,
+def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
               api_key: str | Sequence[str] | None = None, *,
               embedder: Embedder | None = None,
-              embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
+              embed_model_name: str | Sequence[str] = DEFAULT_EMBED_MODEL_NAME,
               max_queued_requests: int | None = None, canary_rate: float = 0.0,
-              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+              limits: ServerLimits = DEFAULT_LIMITS,
+              max_logprobs: int = MAX_TOP_LOGPROBS) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan). ``api_key``: one key or several (any of them
-    is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
+    worker run while the app does (its lifespan). A model name may be several names (the first
+    is its name, the others aliases). ``api_key``: one key or several (any of them is
+    accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
-    determinism canary replays alone (samebits.server.canary). ``app.state.readiness`` is what
-    /health reports and what a shutdown drains (samebits.server.lifecycle)."""
+    determinism canary replays alone (samebits.server.canary). ``max_logprobs``: the most
+    logprobs a request may ask for. ``app.state.readiness`` is what /health reports and what a
+    shutdown drains (samebits.server.lifecycle)."""
     keys = _keys(api_key)
     limits.check_auth(keys)
+    gen_names = _names(model_name, DEFAULT_MODEL_NAME)
+    emb_names = _names(embed_model_name, DEFAULT_EMBED_MODEL_NAME)
     if engine is not None:
-        metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
-                          engine.config.batch_invariant)
+        metrics = Metrics(gen_names[0], engine.fingerprint, engine.config.batch_invariant)
     elif embedder is not None:
-        metrics = Metrics(embed_model_name, embedder.fingerprint, embedder.config.batch_invariant)
+        metrics = Metrics(emb_names[0], embedder.fingerprint, embedder.config.batch_invariant)
     else:
         raise ValueError("build_app needs an engine, an embedder or both")
     loop = ctx = svc = None
     if engine is not None:
         loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
-        ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
+        ctx = ServingContext(loop, gen_names[0], engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
-                             TokenText(engine.tokenizer), engine.grammars)
+                             TokenText(engine.tokenizer), engine.grammars,
+                             max_logprobs=max_logprobs, aliases=gen_names[1:])
     if embedder is not None:
-        svc = EmbeddingService(embedder, embed_model_name, metrics,
+        svc = EmbeddingService(embedder, emb_names[0], metrics,
                                max_queued_requests=max_queued_requests)
         if engine is not None:
-            metrics.add_model(embed_model_name, embedder.fingerprint)
-    served = ServedModels(ctx, svc)
+            metrics.add_model(emb_names[0], embedder.fingerprint)
+    served = ServedModels(ctx, svc, embedding_aliases=emb_names[1:])
     readiness = _readiness(loop, svc)
 
     @asynccontextmanager
@@ -142,11 +151,16 @@ def _readiness(loop: AsyncEngine | None, svc: EmbeddingService | None) -> Readin
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents for each POST
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": tokenization.TokenizeRequest,
     "/detokenize": tokenization.DetokenizeRequest,
     "/v1/update_weights": weight_updates.UpdateWeightsRequest,
 }
+
+
+def _names(names: str | Sequence[str] | None, default: str) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else tuple(names or ()) or (default,)
 
 
 def _keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -172,6 +186,11 @@ def _v1_router(served: ServedModels) -> APIRouter:
         ctx = served.for_generation(req.model, "chat completions")
         return _json(await create_chat_completion(ctx, req, request))
 
+    @router.post("/responses")
+    async def responses(request: Request) -> Any:
+        req = await _parse(request, ResponsesRequest)
+        return await create_response(served.for_generation(req.model, "responses"), req, request)
+
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Any:
         req = await _parse(request, EmbeddingRequest)
@@ -180,6 +199,10 @@ def _v1_router(served: ServedModels) -> APIRouter:
     @router.get("/models")
     async def models() -> Any:
         return _json(ModelList(data=served.cards()))
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        return _json(served.card(model_id))
 
     return router
 
@@ -327,11 +350,11 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
             raise ValueError("--embed-model goes with --task generate; with --task embed, --model "
                              "names the embedding model")
         embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
-        name = args.served_model_name or embed_model_name(args.model)
+        names = served_names(args, embed_model_name(args.model), DEFAULT_EMBED_MODEL_NAME)
         _build_kernels(embedder.config)
-        return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
+        return build_app(None, None, api_key, embedder=embedder, embed_model_name=names,
                          max_queued_requests=args.max_queued_requests, limits=limits)
-    engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
+    engine = load_engine(args)
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
     embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
@@ -339,10 +362,10 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         path = None if args.embed_model == "DEFAULT" else args.embed_model
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
     _build_kernels(engine.config, *([embedder.config] if embedder is not None else []))
-    return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name,
+    return build_app(engine, served_names(args, model_name(args.model), DEFAULT_MODEL_NAME),
+                     api_key, embedder=embedder, embed_model_name=embed_name,
                      max_queued_requests=args.max_queued_requests,
-                     canary_rate=args.canary_rate, limits=limits)
+                     canary_rate=args.canary_rate, limits=limits, max_logprobs=args.max_logprobs)
 
 
 def _build_kernels(*configs: EngineConfig) -> None:

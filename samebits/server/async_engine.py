@@ -336,6 +336,7 @@ class AsyncEngine:
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
+            self.metrics.e2e.observe(now - t.group.arrival)
         elif not t.group.stream or total == t.sent:
             return
         s = slice(t.sent, total)
