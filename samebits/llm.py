@@ -11,7 +11,9 @@ from tqdm import tqdm
 
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
+from samebits.engine.pooling import embedding_inputs
 from samebits.engine.sequence import RequestOutput, Sequence
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.text.chat_template import render_chat
 
@@ -27,34 +29,41 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.embedder = self.engine = None
-        if self.config.task == "embed":  # an encoder: only ``embed``
-            from samebits.decoder_embedder import DecoderEmbedder, is_decoder_model
-            from samebits.embedder import Embedder
-            cls = DecoderEmbedder if is_decoder_model(self.config) else Embedder
-            self.embedder = cls(self.config)
-            return
         self.engine = LLMEngine(self.config)
+        self.embedding_inputs = (embedding_inputs(self.engine.loaded) if self.config.task == "embed"
+                                 else None)  # an embedding model: only ``embed``
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer if self.engine is not None else self.embedder.tokenizer
+        return self.engine.tokenizer
 
     @property
     def fingerprint(self) -> str:
-        return self.engine.fingerprint if self.engine is not None else self.embedder.fingerprint
+        return self.engine.fingerprint
 
-    def embed(self, texts: str | Seq[str] | Seq[Seq[int]], truncate: bool = False
+    def embed(self, texts: str | Seq[str] | Seq[Seq[int]], truncate: bool | int = False
               ) -> list[list[float]]:
-        """One vector per text (or token id list), each bitwise independent of the batch;
-        ``truncate=True`` cuts inputs over the model's token limit instead of raising."""
-        if self.embedder is None:
+        """One vector per text (or token id list), each bitwise independent of the batch: every
+        input is a pooling request, and the engine runs them together. ``truncate=True`` cuts
+        inputs over the model's token limit instead of raising (an int k: to k tokens)."""
+        if self.embedding_inputs is None:
             raise ValueError("embed() needs an embedding model: LLM(model, task='embed')")
-        return self.embedder.embed(texts, truncate)
+        ids = self.embedding_inputs.tokenize(texts, truncate)
+        seqs = []
+        try:
+            for prompt_ids in ids:
+                seqs.append(self.engine.add_request(f"embed-{next(self._ids)}", prompt_ids,
+                                                    PoolingParams()))
+        except ValueError:  # all or nothing
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        self._drain(len(seqs), False)
+        return [seq.embedding for seq in seqs]
 
     def _require_generate(self) -> None:
-        if self.engine is None:
+        if self.config.task == "embed":
             raise ValueError("this LLM was built with task='embed': use embed(), not generation")
 
     def get_tokenizer(self):

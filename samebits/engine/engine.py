@@ -16,11 +16,15 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
+from samebits.engine.pooling import PoolingSequence, pooling_sequence
+from samebits.engine.pooling_runner import pooling_runner
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, Sequence
 from samebits.loader import LoadedModel, load
+from samebits.loader.pooling import load_pooling_model
 from samebits.models.weights import update_weights
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.text.detokenizer import IncrementalDetokenizer
 
@@ -45,25 +49,28 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load(config)
+        pooling = config.task == "embed"  # an embedding model: pooling requests only
+        self.loaded = loaded or (load_pooling_model(config) if pooling else load(config))
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
         self.max_model_len = self.loaded.max_model_len
-        self.runner = ModelRunner(self.loaded, config)
+        self.runner = (pooling_runner(self.loaded, config) if pooling
+                       else ModelRunner(self.loaded, config))
         if config.tensor_parallel_size > 1:
             from samebits.distributed import enable_tensor_parallel
             enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
+        chunked = not pooling or self.runner.chunked_prefill  # an encoder's prompt runs whole
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   config.prefill_chunk_tokens)
+                                   None if pooling else config.prefill_chunk_tokens, chunked)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
         self.grammars = (GrammarCompiler(self.tokenizer, self.loaded.model_config.vocab_size,
                                          self._eos) if self.tokenizer is not None else None)
-        if self.runner.device.type == "cuda":
+        if self.runner.device.type == "cuda" and not pooling:
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -90,6 +97,8 @@ class LLMEngine:
         ``bypass_prefix_cache``: the request neither reads nor fills the prefix cache."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams) or self.config.task == "embed":
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
         self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
@@ -314,6 +323,23 @@ class LLMEngine:
         """Step until idle, yielding each sequence as it finishes."""
         while self.has_unfinished():
             yield from (seq for seq in self.step() if seq.is_finished)
+
+    # ---- pooling requests (embedding models) ----------------------------------------------
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> PoolingSequence:
+        """Queue a pooling request: prefilled, never sampled; finished with its ``embedding``
+        in the step that computes its whole prompt. Only an embedding model takes them."""
+        if self.config.task != "embed":
+            raise ValueError("pooling requests need an embedding model: "
+                             "LLMEngine(EngineConfig(task='embed'))")
+        limit = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
+        if not self.scheduler.chunked_prefill:  # a prompt must fit one step
+            limit = min(limit, self.config.max_num_batched_tokens)
+        seq = pooling_sequence(request_id, prompt_token_ids, params,
+                               self.loaded.model_config.vocab_size, limit)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
 
 
 def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:

@@ -65,6 +65,37 @@ class AttentionMetadata:
         return len(self.seq_lens_list)
 
 
+@dataclass(frozen=True)
+class SeqLayout:
+    """Where each sequence of an encoder forward sits in its flat batch of token rows [T, ...]:
+    sequence b owns rows ``starts[b] : starts[b] + lens[b]``. ``padded_len`` is set when every
+    sequence sits in a block of that many rows of its own (``starts[b] == b * padded_len``), the
+    rows after its end padding; ``plan``: the backend's index tensors, built once per forward
+    (``OpBackend.plan_encoder``) and shared by every layer."""
+
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    num_rows: int
+    padded_len: int | None = None
+    plan: object | None = None
+
+    @classmethod
+    def packed(cls, lens: list[int]) -> SeqLayout:
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        return cls(tuple(starts), tuple(lens), sum(lens))
+
+    @classmethod
+    def padded(cls, lens: list[int]) -> SeqLayout:
+        width = max(lens)
+        return cls(tuple(b * width for b in range(len(lens))), tuple(lens), width * len(lens), width)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+
 class OpBackend(Protocol):
     """What a model needs from the numerics. ``x`` rows are tokens; all reductions over the last dim."""
 
@@ -126,6 +157,41 @@ class OpBackend(Protocol):
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D]."""
+        ...
+
+    # ---- encoder ops (BERT-style embedding models, samebits.ops.encoder) ------------------
+    # Invariant backends: a token row's bits depend only on its own sequence's rows, a pooled
+    # vector's only on its sequence's hidden states; sequences are packed back to back and
+    # padding never enters a reduction. Standard backends run them as sentence-transformers
+    # does: stock ops over a batch padded to its longest sequence.
+
+    def plan_encoder(self, lens: list[int], device: torch.device) -> SeqLayout:
+        """The flat-batch layout of sequences of these lengths (packed, or padded by the standard
+        backends), with the index tensors ``encoder_attention`` reads."""
+        ...
+
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          layout: SeqLayout, scale: float) -> torch.Tensor:
+        """Bidirectional attention of q, k, v [T, H, D] within each sequence: every query reads
+        all of its own sequence's keys and no other's -> [T, H, D] (padding rows: zeros)."""
+        ...
+
+    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+        """LayerNorm over the last dim (torch's formula) with weight and bias."""
+        ...
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """GELU (erf), elementwise: torch's."""
+        ...
+
+    def pool(self, x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
+        """[T, H] -> [B, H]: each sequence's mean (a fixed tree, invariant backends), first
+        (``cls``) or last (``lasttoken``) row."""
+        ...
+
+    def l2_normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of [B, H] divided by its L2 norm (eps 1e-12, as ``F.normalize``)."""
         ...
 
 
