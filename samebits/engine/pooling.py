@@ -11,6 +11,13 @@ from samebits.pooling_params import PoolingParams
 from samebits.text.embedding_inputs import EmbeddingInputs
 
 
+@dataclass(frozen=True)
+class PoolingOutput:
+    """A finished pooling request's result."""
+
+    embedding: list[float]
+
+
 @dataclass
 class PoolingSequence(Sequence):
     """``score_only`` (nothing is sampled; the engine finishes it once every prompt token is

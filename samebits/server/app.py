@@ -12,7 +12,6 @@ it names.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,13 +29,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from samebits import env
 from samebits.config import EngineConfig
-from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
 from samebits.server import tokenization, weight_updates
 from samebits.server.async_engine import AsyncEngine
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
-from samebits.server.embeddings import EmbeddingService, create_embedding
+from samebits.server.embeddings import EmbeddingContext, create_embedding
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from samebits.server.metrics import Metrics
@@ -59,49 +57,48 @@ M = TypeVar("M", bound=BaseModel)
 
 def build_app(engine: LLMEngine | None, model_name: str | None,
               api_key: str | Sequence[str] | None = None, *,
-              embedder: Embedder | None = None,
+              embed_engine: LLMEngine | None = None,
               embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_queued_requests: int | None = None,
               enable_weight_updates: bool = False, canary_rate: float = 0.0) -> FastAPI:
-    """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan). ``api_key``: one key or several (any of them
+    """The app over a generation engine, an embedding model's engine (``embed_engine``), or both;
+    their engine loops run while the app does (its lifespan). ``api_key``: one key or several (any of them
     is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
     determinism canary replays alone (samebits.server.canary)."""
     if engine is not None:
         metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
                           engine.config.batch_invariant)
-    elif embedder is not None:
-        metrics = Metrics(embed_model_name, embedder.fingerprint, embedder.config.batch_invariant)
+    elif embed_engine is not None:
+        metrics = Metrics(embed_model_name, embed_engine.fingerprint,
+                          embed_engine.config.batch_invariant)
     else:
-        raise ValueError("build_app needs an engine, an embedder or both")
-    loop = ctx = svc = None
+        raise ValueError("build_app needs a generation engine, an embedding engine or both")
+    loop = ctx = emb = None
     if engine is not None:
         loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
         ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer), engine.grammars)
-    if embedder is not None:
-        svc = EmbeddingService(embedder, embed_model_name, metrics,
-                               max_queued_requests=max_queued_requests)
+    if embed_engine is not None:
+        emb = EmbeddingContext.serve(embed_engine, embed_model_name, metrics, max_queued_requests)
         if engine is not None:
-            metrics.add_model(embed_model_name, embedder.fingerprint)
-    served = ServedModels(ctx, svc)
+            metrics.add_model(embed_model_name, embed_engine.fingerprint)
+    served = ServedModels(ctx, emb)
+    loops = [x for x in (loop, emb and emb.engine) if x is not None]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for worker in (loop, svc):
-            if worker is not None:
-                worker.start()
+        for engine_loop in loops:
+            engine_loop.start()
         yield
-        for worker in (svc, loop):
-            if worker is not None:
-                worker.stop()
+        for engine_loop in reversed(loops):
+            engine_loop.stop()
 
     # redirect_slashes=False: a trailing-slash path is a 404, never a redirect built from Host
     app = FastAPI(title="samebits", lifespan=lifespan, redirect_slashes=False)
-    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
+    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, emb, metrics
     router = _v1_router(served, _keys(api_key))
     if enable_weight_updates and ctx is not None:
         weight_updates.add_route(router, ctx, metrics, _parse)
@@ -166,7 +163,7 @@ def _add_open_routes(app: FastAPI, served: ServedModels, metrics: Metrics) -> No
         if served.generation is not None and not served.generation.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if served.embedding is not None and not served.embedding.alive:
-            return JSONResponse({"status": "embedding worker stopped"}, status_code=503)
+            return JSONResponse({"status": "embedding engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok", "system_fingerprint": served.fingerprint})
 
     @app.get("/metrics")
@@ -276,13 +273,12 @@ def embed_model_name(model: str | None) -> str:
     return DEFAULT_EMBED_MODEL_NAME if model is None else model_name(model)
 
 
-def load_embedder(args: argparse.Namespace, model: str | None, load_format: str = "auto",
-                  max_model_len: int | None = None) -> Embedder:
-    """The embedding model, through ``LLM(task="embed")`` so that it is exactly the offline one."""
-    from samebits.llm import LLM
-    config = EngineConfig.from_cli_args(args, task="embed", model=model, load_format=load_format,
-                                        max_model_len=max_model_len, seed=args.seed)
-    return LLM(**dataclasses.asdict(config)).embedder
+def load_embed_engine(args: argparse.Namespace, model: str | None, load_format: str = "auto",
+                      max_model_len: int | None = None) -> LLMEngine:
+    """The embedding model's engine (``task="embed"``): the one ``LLM(task="embed")`` builds."""
+    return LLMEngine(EngineConfig.from_cli_args(args, task="embed", model=model,
+                                                load_format=load_format,
+                                                max_model_len=max_model_len, seed=args.seed))
 
 
 def read_chat_template(spec: str) -> str:
@@ -302,19 +298,19 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         if args.embed_model is not None:
             raise ValueError("--embed-model goes with --task generate; with --task embed, --model "
                              "names the embedding model")
-        embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
+        embed_engine = load_embed_engine(args, args.model, args.load_format, args.max_model_len)
         name = args.served_model_name or embed_model_name(args.model)
-        return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
+        return build_app(None, None, api_key, embed_engine=embed_engine, embed_model_name=name,
                          **_limits(args))
     engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
-    embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
+    embed_engine, embed_name = None, DEFAULT_EMBED_MODEL_NAME
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
-        embedder, embed_name = load_embedder(args, path), embed_model_name(path)
+        embed_engine, embed_name = load_embed_engine(args, path), embed_model_name(path)
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name, **_limits(args),
+                     embed_engine=embed_engine, embed_model_name=embed_name, **_limits(args),
                      enable_weight_updates=getattr(args, "enable_weight_updates", False),
                      canary_rate=args.canary_rate)
 

@@ -17,7 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from samebits.engine.engine import LLMEngine
+from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import CompletionOutput, Sequence, SequenceStatus
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams, choice_seed
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
@@ -33,7 +35,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    output: CompletionOutput | None = None  # the request's result (one choice)
+    output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
 
 
@@ -41,7 +43,7 @@ class Delta:
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]
+    params: list[SamplingParams | PoolingParams]
     seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
@@ -228,7 +230,7 @@ class AsyncEngine:
             base = None
             for rid, ids, p, off in zip(group.request_ids, group.prompts, group.params,
                                         group.seed_offsets, strict=True):
-                if p.seed is None and base is not None:
+                if isinstance(p, SamplingParams) and p.seed is None and base is not None:
                     p = replace(p, seed=choice_seed(base, off))
                 seq = self.engine.add_request(rid, ids, p, score_only=group.score_only, index=off,
                                               cache_salt=group.cache_salt)
@@ -307,6 +309,8 @@ class AsyncEngine:
                 self._release(1)
 
     def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        if isinstance(seq, PoolingSequence):
+            return self._deliver_pooled(seq, t)
         total = len(seq.output_token_ids)
         if total > t.seen:
             self.metrics.generation_tokens.inc(total - t.seen)
@@ -329,6 +333,14 @@ class AsyncEngine:
         t.sent = total
         _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
                              seq.top_logprobs[s], output))
+
+    def _deliver_pooled(self, seq: PoolingSequence, t: _Tracked) -> None:
+        """A pooling request's one delta: its vector, once computed."""
+        if not seq.is_finished:
+            return
+        self._untrack(seq.request_id)
+        self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
+        _post(t.group, Delta(t.index, [], [], [], PoolingOutput(seq.embedding)))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)

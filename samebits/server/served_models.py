@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from samebits.server.embeddings import EmbeddingService
+from samebits.server.embeddings import EmbeddingContext
 from samebits.server.errors import APIError
 from samebits.server.protocol import ModelCard
 from samebits.server.serving import ServingContext
@@ -16,7 +16,7 @@ from samebits.server.serving import ServingContext
 @dataclass
 class ServedModels:
     generation: ServingContext | None
-    embedding: EmbeddingService | None
+    embedding: EmbeddingContext | None
 
     def __post_init__(self) -> None:
         if self.generation is None and self.embedding is None:
@@ -63,7 +63,7 @@ class ServedModels:
             raise self._not_found(name)
         return self.generation
 
-    def for_embedding(self, name: str | None) -> EmbeddingService:
+    def for_embedding(self, name: str | None) -> EmbeddingContext:
         """The embedding model an embeddings request names (None: the served one)."""
         if name is not None and name == self._gen_name:
             raise self._generation_model(name)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from samebits.ops import encoder_cuda
 from samebits.ops.backend import AttentionMetadata, KBounds, register
 from samebits.ops.encoder import InvariantEncoderOps
-from samebits.ops import encoder_cuda
 from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
 
