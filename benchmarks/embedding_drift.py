@@ -111,8 +111,8 @@ def main() -> None:
     args = ap.parse_args()
     texts = make_texts(args.num_texts)
     _, probe = samebits_system(args.model, True, "cpu")
-    n_tokens = sum(len(i) for i in probe.embedder.tokenize(texts))
-    model_dir = str(probe.embedder.model_dir)
+    n_tokens = sum(len(i) for i in probe.embedding_inputs.tokenize(texts))
+    model_dir = str(probe.engine.loaded.model_dir)
     order = list(range(len(texts)))
     random.Random(1).shuffle(order)
     summary: dict[str, dict] = {}

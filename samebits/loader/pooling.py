@@ -55,10 +55,13 @@ def load_pooling_model(config: EngineConfig) -> LoadedPoolingModel:
     """The embedding model ``config.model`` names (None: all-MiniLM-L6-v2) and its pooler."""
     model_dir = resolve_embed_model_dir(config.model)
     pooler = PoolerConfig.from_model_dir(model_dir)
-    raw = read_json(model_dir / "config.json")
+    config_file = model_dir / "config.json"
+    if config.model and config.model.endswith(".json"):  # a config file of any name (dummy)
+        config_file = Path(config.model).expanduser()
+    raw = read_json(config_file)
     if is_decoder((raw.get("architectures") or [None])[0]):
         return _load_decoder(config, model_dir, pooler)
-    return _load_encoder(config, model_dir, raw, pooler)
+    return _load_encoder(config, model_dir, raw, pooler, config_file)
 
 
 def _load_decoder(config: EngineConfig, model_dir: Path, pooler: PoolerConfig
@@ -78,9 +81,9 @@ def _load_decoder(config: EngineConfig, model_dir: Path, pooler: PoolerConfig
 
 
 def _load_encoder(config: EngineConfig, model_dir: Path, raw: dict[str, Any],
-                  pooler: PoolerConfig) -> LoadedPoolingModel:
+                  pooler: PoolerConfig, config_file: Path) -> LoadedPoolingModel:
     """A BERT-style encoder, built on the device and loaded as ``load`` loads a decoder."""
-    model_config = BertConfig.from_dict(raw, str(model_dir / "config.json"))
+    model_config = BertConfig.from_dict(raw, str(config_file))
     max_len = _max_len(model_config, model_dir, config.max_model_len)
     device, dtype = config.torch_device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
