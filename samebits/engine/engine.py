@@ -45,7 +45,11 @@ class LLMEngine:
     progress; finished ones are forgotten by the engine once returned), ``completion`` (a
     sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats``,
     ``update_weights``, and for pausing a request mid-way ``park`` / ``unpark`` /
-    ``parked_blocks_needed``. Not thread-safe: one thread drives it."""
+    ``parked_blocks_needed``. Not thread-safe: one thread drives it.
+
+    An embedding model's engine (``EngineConfig(task="embed")``) takes pooling requests only
+    (``PoolingParams``): the same scheduler, a pooling runner (``samebits.engine.pooling_runner``)
+    and the model's pooler; a finished ``PoolingSequence`` carries its ``embedding``."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
