@@ -26,7 +26,7 @@ from samebits.engine.scheduler import ScheduledBatch
 from samebits.loader.pooling import LoadedPoolingModel
 from samebits.models.pooler import Pooler
 from samebits.models.registry import is_decoder
-from samebits.ops.backend import SeqLayout
+from samebits.ops.encoder import SeqLayout
 
 
 def pooling_runner(loaded: LoadedPoolingModel, config: EngineConfig

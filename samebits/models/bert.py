@@ -20,7 +20,8 @@ from torch import nn
 
 from samebits.config import ENCODER_ARCHITECTURES, ModelFormatError
 from samebits.models.weights import fused_param, packed_hf_names
-from samebits.ops.backend import OpBackend, SeqLayout
+from samebits.ops.backend import OpBackend
+from samebits.ops.encoder import SeqLayout
 
 
 @dataclass(frozen=True)

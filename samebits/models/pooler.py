@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from samebits.config import ModelFormatError, read_json
-from samebits.ops.backend import OpBackend, SeqLayout
-from samebits.ops.encoder import POOLING_MODES
+from samebits.ops.backend import OpBackend
+from samebits.ops.encoder import POOLING_MODES, SeqLayout
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,46 @@ invariance guarantee: the baseline and the negative control.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from samebits.ops.backend import SeqLayout
 from samebits.ops.tiles import TILE_M, by_tiles
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
 ENCODER_SPLIT_SIZE = 32  # keys per encoder attention split (a tile reduces whole splits)
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """Where each sequence of an encoder forward sits in its flat batch of token rows [T, ...]:
+    sequence b owns rows ``starts[b] : starts[b] + lens[b]``. ``padded_len`` is set when every
+    sequence sits in a block of that many rows of its own (``starts[b] == b * padded_len``), the
+    rows after its end padding; ``plan``: the backend's index tensors, built once per forward
+    (``OpBackend.plan_encoder``) and shared by every layer."""
+
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    num_rows: int
+    padded_len: int | None = None
+    plan: object | None = None
+
+    @classmethod
+    def packed(cls, lens: list[int]) -> SeqLayout:
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        return cls(tuple(starts), tuple(lens), sum(lens))
+
+    @classmethod
+    def padded(cls, lens: list[int]) -> SeqLayout:
+        width = max(lens)
+        return cls(tuple(b * width for b in range(len(lens))), tuple(lens), width * len(lens), width)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from samebits.ops.backend import SeqLayout
-from samebits.ops.encoder import ENCODER_SPLIT_SIZE
+from samebits.ops.encoder import ENCODER_SPLIT_SIZE, SeqLayout
 
 TILE_Q = 16  # queries per attention tile
 

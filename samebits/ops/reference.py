@@ -26,15 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels, rope
-from samebits.ops.backend import (
-    AttentionMetadata,
-    KBounds,
-    SeqLayout,
-    check_k_bounds,
-    norm_with_residual,
-    register,
-)
-from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps
+from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, norm_with_residual, register
+from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps, SeqLayout
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
