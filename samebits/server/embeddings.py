@@ -2,12 +2,12 @@
 
 Each input is a pooling request of the embedding model's engine, driven by an ``AsyncEngine`` like
 the generation model's (a server with both runs two engine loops). Inputs are tokenized off the
-event loop, then submitted in slices of the engine's ``max_num_seqs`` inputs, at most two slices of
-a request in the engine at once: the engine batches what is queued (inputs of several requests in
-one step), concurrent requests interleave slice by slice so a small one waits about a step behind a
-large one, and a request whose client left is aborted within a step. With the batch-invariant
-numerics a vector does not depend on what it was batched with, so none of this changes the bits
-(in ``--standard`` mode it does).
+event loop, then submitted in slices of the engine's ``max_num_seqs`` inputs, at most two slices
+of a request in the engine at once: the engine batches what is queued (inputs of several requests
+in one step), concurrent requests interleave slice by slice so a small one waits for at most two
+slices of a large one, and a request whose client left is aborted within a step. With the
+batch-invariant numerics a vector does not depend on what it was batched with, so none of this
+changes the bits (in ``--standard`` mode it does).
 """
 
 from __future__ import annotations
