@@ -50,6 +50,17 @@ def std() -> LLM:
     return _emb(False)
 
 
+@pytest.fixture(scope="module")
+def inv_alone(inv) -> list[list[float]]:
+    """The vector of each text embedded alone."""
+    return [inv.embed(t)[0] for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def std_alone(std) -> list[list[float]]:
+    return [std.embed(t)[0] for t in TEXTS]
+
+
 def _batched(emb: LLM, order: list[int], size: int) -> dict[int, list[float]]:
     """Vector of each text when embedded in consecutive batches of ``size`` in this order."""
     out: dict[int, list[float]] = {}
@@ -66,18 +77,18 @@ def _orders() -> list[tuple[int, list[int]]]:
     return [(4, shuffled), (16, by_len), (64, shuffled[::-1])]
 
 
-def test_vector_is_bitwise_independent_of_the_batch(inv):
+def test_vector_is_bitwise_independent_of_the_batch(inv, inv_alone):
     lens = [len(ids) for ids in inv.embedding_inputs.tokenize(TEXTS)]
     assert min(lens) <= 4 and 200 <= max(lens) <= 256  # very different lengths, all in the limit
-    alone = [inv.embed(t)[0] for t in TEXTS]
+    alone = inv_alone
     for size, order in _orders():
         got = _batched(inv, order, size)
         bad = [i for i in range(64) if got[i] != alone[i]]
         assert not bad, f"batch of {size}: texts {bad} changed bits"
 
 
-def test_negative_control_stock_ops_on_padded_batches_change_bits(std):
-    alone = [std.embed(t)[0] for t in TEXTS]
+def test_negative_control_stock_ops_on_padded_batches_change_bits(std, std_alone):
+    alone = std_alone
     changed = 0
     for size, order in _orders()[:2]:  # padded batches of 4 and 16
         got = _batched(std, order, size)
@@ -119,19 +130,17 @@ def _steps(llm: LLM, monkeypatch) -> list[int]:
     return sizes
 
 
-def test_one_call_runs_its_texts_together_each_as_alone(inv, monkeypatch):
-    alone = [inv.embed(t)[0] for t in TEXTS[:24]]
+def test_one_call_runs_its_texts_together_each_as_alone(inv, inv_alone, monkeypatch):
     sizes = _steps(inv, monkeypatch)
-    assert inv.embed(TEXTS[:24]) == alone
+    assert inv.embed(TEXTS[:24]) == inv_alone[:24]
     assert sizes == [24]  # one engine step for the 24 texts, not 24
 
 
-def test_negative_control_one_step_in_standard_mode_changes_bits(std, monkeypatch):
-    alone = [std.embed(t)[0] for t in TEXTS[:24]]
+def test_negative_control_one_step_in_standard_mode_changes_bits(std, std_alone, monkeypatch):
     sizes = _steps(std, monkeypatch)
     together = std.embed(TEXTS[:24])
     assert sizes == [24]
-    assert together != alone, "stock ops never changed a bit: the test proves nothing"
+    assert together != std_alone[:24], "stock ops never changed a bit: the test proves nothing"
 
 
 def test_token_ids_give_the_same_vector_as_text(inv):
