@@ -19,13 +19,13 @@ _LAZY = {
     "RequestOutput": "samebits.engine.sequence",
     "SamplingParams": "samebits.sampling_params",
     "StructuredOutputsParams": "samebits.structured_outputs",
-    "batch_invariant": "samebits.ops.override",
+    "batch_invariant": "samebits.models.hf_route",
 }
 
 if TYPE_CHECKING:
     from samebits.engine.sequence import CompletionOutput, RequestOutput
     from samebits.llm import LLM
-    from samebits.ops.override import batch_invariant
+    from samebits.models.hf_route import batch_invariant
     from samebits.sampling_params import SamplingParams
     from samebits.structured_outputs import StructuredOutputsParams
 

@@ -132,8 +132,7 @@ class LLM:
     def named_weights(self):
         """(Hugging Face name, tensor view) of every weight, q/k/v and gate/up unfused."""
         self._require_generate()
-        from samebits.models.weights import WeightMap
-        return WeightMap(self.engine.loaded.model).named_weights()
+        return self.engine.runner.named_weights()
 
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(the prompt text or None, its token ids)."""

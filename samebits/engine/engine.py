@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from samebits.config import EngineConfig
+from samebits.engine.executor import start_runner
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.pooling import PoolingSequence, pooling_sequence
 from samebits.engine.pooling_runner import pooling_runner
-from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
+from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, Sequence
-from samebits.loader import LoadedModel, load
-from samebits.loader.pooling import load_pooling_model
+from samebits.loader import LoadedModel
 from samebits.models.weights import update_weights
 from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
@@ -54,15 +54,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         pooling = config.task == "embed"  # an embedding model: pooling requests only
-        self.loaded = loaded or (load_pooling_model(config) if pooling else load(config))
+        self.runner = (pooling_runner(config, loaded) if pooling
+                       else start_runner(config, loaded))  # and ranks 1..N-1 under TP
+        self.loaded = self.runner.loaded
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
         self.max_model_len = self.loaded.max_model_len
-        self.runner = (pooling_runner(self.loaded, config) if pooling
-                       else ModelRunner(self.loaded, config))
-        if config.tensor_parallel_size > 1:
-            from samebits.distributed import enable_tensor_parallel
-            enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         chunked = not pooling or self.runner.chunked_prefill  # an encoder's prompt runs whole
@@ -261,7 +258,7 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
         with torch.inference_mode():
-            return self.runner.model.compute_logits(self.prompt_hidden(token_ids))
+            return self.runner.compute_logits(self.prompt_hidden(token_ids))
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors) -> str:
@@ -273,7 +270,7 @@ class LLMEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("update_weights: requests are in flight; drain the engine first")
-        model = self.loaded.model  # the full model (under tensor parallel: rank 0's)
+        model = self.loaded.model  # this rank's (under tensor parallel: rank 0's shard)
         items = update_weights(model, named_tensors)
         h = hashlib.sha256(self.fingerprint.encode())
         for name, tensor in sorted(items, key=lambda it: it[0]):
@@ -283,9 +280,7 @@ class LLMEngine:
         hook = getattr(model.ops, "weights_updated", None)
         if hook is not None:  # a backend that keeps repacked weights refreshes them
             hook(model)
-        shards = getattr(self.runner.model, "weights_updated", None)
-        if shards is not None:  # tensor parallel: every rank updates and re-shards
-            shards(items)
+        self.runner.weights_updated(items)  # tensor parallel: every other rank loads its part
         self.kv.set_fingerprint(self.fingerprint)
         self.runner.discard_ahead()  # launched with the old weights
         return self.fingerprint

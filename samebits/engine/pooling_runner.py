@@ -23,19 +23,21 @@ from samebits.config import EngineConfig
 from samebits.engine.pooling import PoolingSequence
 from samebits.engine.runner import ModelRunner, StepResult
 from samebits.engine.scheduler import ScheduledBatch
-from samebits.loader.pooling import LoadedPoolingModel
+from samebits.loader.pooling import LoadedPoolingModel, load_pooling_model
 from samebits.models.pooler import Pooler
-from samebits.models.registry import is_decoder
+from samebits.models.registry import architecture
 from samebits.ops.encoder import SeqLayout
 
 
-def pooling_runner(loaded: LoadedPoolingModel, config: EngineConfig
+def pooling_runner(config: EngineConfig, loaded: LoadedPoolingModel | None = None
                    ) -> EncoderRunner | DecoderPoolingRunner:
+    """The runner for the embedding model's kind (loaded here unless given); one device."""
     if config.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 is not supported for embedding models")
-    if is_decoder(loaded.model_config.architecture):
-        return DecoderPoolingRunner(loaded, config)
-    return EncoderRunner(loaded, config)
+    loaded = loaded or load_pooling_model(config)
+    if architecture(loaded.model_config.architecture).kind == "encoder":
+        return EncoderRunner(loaded, config)
+    return DecoderPoolingRunner(loaded, config)
 
 
 def _empty_result() -> StepResult:
@@ -48,7 +50,7 @@ class EncoderRunner:
     chunked_prefill = False  # a sequence's tokens attend to each other: never split across steps
 
     def __init__(self, loaded: LoadedPoolingModel, config: EngineConfig) -> None:
-        self.model, self.config = loaded.model, config
+        self.model, self.config, self.loaded = loaded.model, config, loaded
         self.max_model_len = loaded.max_model_len
         self.device = next(self.model.parameters()).device
         self.pooler = Pooler(loaded.pooler, self.model.ops)
@@ -87,6 +89,9 @@ class EncoderRunner:
     def discard_ahead(self) -> None:
         """Nothing runs ahead of a step here."""
 
+    def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """One device: ``update_weights`` already wrote every weight."""
+
 
 class DecoderPoolingRunner:
     """A decoder's prefill with the pooler on its final hidden states (module docstring)."""
@@ -95,7 +100,7 @@ class DecoderPoolingRunner:
 
     def __init__(self, loaded: LoadedPoolingModel, config: EngineConfig) -> None:
         self.runner = ModelRunner(loaded, dataclasses.replace(config, enforce_eager=True))
-        self.model, self.device = self.runner.model, self.runner.device
+        self.model, self.device, self.loaded = self.runner.model, self.runner.device, loaded
         self.num_blocks, self.max_model_len = self.runner.num_blocks, self.runner.max_model_len
         self.pooler = Pooler(loaded.pooler, self.model.ops)
         self.first = loaded.pooler.mode == "cls"  # else the last token is pooled
@@ -123,3 +128,6 @@ class DecoderPoolingRunner:
 
     def discard_ahead(self) -> None:
         self.runner.discard_ahead()
+
+    def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.runner.weights_updated(items)

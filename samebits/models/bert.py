@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from samebits.config import ENCODER_ARCHITECTURES, ModelFormatError
+from samebits.config import ModelFormatError
+from samebits.distributed.group import TPGroup
+from samebits.models.registry import ENCODER_ARCHITECTURES
 from samebits.models.weights import fused_param, packed_hf_names
 from samebits.ops.backend import OpBackend
 from samebits.ops.encoder import SeqLayout
@@ -102,9 +104,13 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     """``forward`` returns the last hidden states [T, H] (what sentence-transformers pools)."""
 
-    def __init__(self, cfg: BertConfig, ops: OpBackend, max_model_len: int | None = None) -> None:
-        """``max_model_len``: the registry's constructor shape; the position table bounds it."""
+    def __init__(self, cfg: BertConfig, ops: OpBackend, max_model_len: int | None = None,
+                 group: TPGroup | None = None) -> None:
+        """The registry's constructor shape; the position table bounds a sequence's length, and
+        an encoder runs whole on one device (``group``: one rank)."""
         super().__init__()
+        if group is not None and group.world_size > 1:
+            raise ValueError("an encoder runs on one device: tensor_parallel_size must be 1")
         self.cfg, self.ops = cfg, ops
         self.word_embeddings = _param(cfg.vocab_size, cfg.hidden_size)
         self.position_embeddings = _param(cfg.max_position_embeddings, cfg.hidden_size)

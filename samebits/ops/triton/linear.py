@@ -6,7 +6,7 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
   only: by default ``num_segments(K, N)`` segments of ``segment_len(K, N)`` elements (a multiple of
   ``SEGMENT_ALIGN``; the last one may be shorter); with ``k_bounds`` (the row-parallel linears'
   segmented K, ``samebits.ops.backend``) exactly those, which must be near-equal (a run of lengths
-  q+1 then q, as ``samebits.distributed.segments.bounds`` cuts them: a ``SegmentLayout``).
+  q+1 then q, as ``samebits.ops.backend.bounds`` cuts them: a ``SegmentLayout``).
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
   ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
