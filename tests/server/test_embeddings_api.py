@@ -383,22 +383,24 @@ def test_abandoned_request_stops_within_a_step(tiny_engine):
     assert not tiny_engine.has_unfinished()
 
 
-def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_engine, monkeypatch):
-    run = tiny_engine.runner.run
+def test_a_failed_step_fails_its_requests_and_the_embedding_engine_reports_it(tmp_path,
+                                                                               monkeypatch):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_BERT))
+    engine = LLMEngine(EngineConfig(model=str(path), task="embed", load_format="dummy"))
 
-    def fail_once(batch):
-        monkeypatch.setattr(tiny_engine.runner, "run", run)
+    def crash(batch):
         raise RuntimeError("kernel crashed")
 
     async def body(ctx):
-        monkeypatch.setattr(tiny_engine.runner, "run", fail_once)
-        with pytest.raises(APIError) as crash:
-            await embed_ids(ctx, [[1, 2, 3]])
-        return crash.value, await embed_ids(ctx, [[1, 2, 3]])
+        monkeypatch.setattr(engine.runner, "run", crash)
+        with pytest.raises(APIError) as failed:
+            await embed_ids(ctx, [[1, 2, 3], [4, 5]])
+        return failed.value, ctx.engine.error
 
-    (crash, after), _ = _in_loop(tiny_engine, body)
-    assert crash.status == 500
-    assert after == [tiny_engine_alone(tiny_engine, [1, 2, 3])]
+    (failed, error), _ = _in_loop(engine, body)
+    assert failed.status == 500  # the caller is answered, never left waiting
+    assert error is not None and "RuntimeError" in error  # /health and new work: 503
 
 
 def test_disconnected_client_stops_the_embedding_and_is_not_a_success(embed_server):
