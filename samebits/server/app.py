@@ -14,9 +14,8 @@ it names. The security limits are ``ServerLimits`` (samebits.server.limits; docs
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +30,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from samebits import env
 from samebits.config import EngineConfig
-from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
 from samebits.ops import cpu_kernels
 from samebits.server import lifecycle, tokenization, weight_updates
@@ -39,7 +37,7 @@ from samebits.server.async_engine import AsyncEngine
 from samebits.server.auth import APIKeyAuth
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
-from samebits.server.embeddings import EmbeddingService, create_embedding
+from samebits.server.embeddings import EmbeddingContext, create_embedding
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import RequestGuard
 from samebits.server.launch import load_engine, served_names
@@ -69,15 +67,15 @@ DEFAULT_LIMITS = ServerLimits()
 
 def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
               api_key: str | Sequence[str] | None = None, *,
-              embedder: Embedder | None = None,
+              embed_engine: LLMEngine | None = None,
               embed_model_name: str | Sequence[str] = DEFAULT_EMBED_MODEL_NAME,
               max_queued_requests: int | None = None, canary_rate: float = 0.0,
               limits: ServerLimits = DEFAULT_LIMITS,
               max_logprobs: int = MAX_TOP_LOGPROBS) -> FastAPI:
-    """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan). A model name may be several names (the first
-    is its name, the others aliases). ``api_key``: one key or several (any of them is
-    accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
+    """The app over a generation engine, an embedding model's engine (``embed_engine``), or
+    both; their engine loops run while the app does (its lifespan). A model name may be several
+    names (the first is its name, the others aliases). ``api_key``: one key or several (any of
+    them is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
     determinism canary replays alone (samebits.server.canary). ``max_logprobs``: the most
     logprobs a request may ask for. ``app.state.readiness`` is what /health reports and what a
@@ -88,38 +86,37 @@ def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
     emb_names = _names(embed_model_name, DEFAULT_EMBED_MODEL_NAME)
     if engine is not None:
         metrics = Metrics(gen_names[0], engine.fingerprint, engine.config.batch_invariant)
-    elif embedder is not None:
-        metrics = Metrics(emb_names[0], embedder.fingerprint, embedder.config.batch_invariant)
+    elif embed_engine is not None:
+        metrics = Metrics(emb_names[0], embed_engine.fingerprint,
+                          embed_engine.config.batch_invariant)
     else:
-        raise ValueError("build_app needs an engine, an embedder or both")
-    loop = ctx = svc = None
+        raise ValueError("build_app needs a generation engine, an embedding engine or both")
+    loop = ctx = emb = None
     if engine is not None:
         loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
         ctx = ServingContext(loop, gen_names[0], engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer), engine.grammars,
                              max_logprobs=max_logprobs, aliases=gen_names[1:])
-    if embedder is not None:
-        svc = EmbeddingService(embedder, emb_names[0], metrics,
-                               max_queued_requests=max_queued_requests)
+    if embed_engine is not None:
+        emb = EmbeddingContext.serve(embed_engine, emb_names[0], metrics, max_queued_requests)
         if engine is not None:
-            metrics.add_model(emb_names[0], embedder.fingerprint)
-    served = ServedModels(ctx, svc, embedding_aliases=emb_names[1:])
-    readiness = _readiness(loop, svc)
+            metrics.add_model(emb_names[0], embed_engine.fingerprint)
+    served = ServedModels(ctx, emb, embedding_aliases=emb_names[1:])
+    loops = [x for x in (loop, emb.engine if emb is not None else None) if x is not None]
+    readiness = _readiness(loops)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for worker in (loop, svc):
-            if worker is not None:
-                worker.start()
+        for engine_loop in loops:
+            engine_loop.start()
         yield
-        for worker in (svc, loop):
-            if worker is not None:
-                worker.stop()
+        for engine_loop in reversed(loops):
+            engine_loop.stop()
 
     # redirect_slashes=False: a trailing-slash path is a 404, never a redirect built from Host
     app = FastAPI(title="samebits", lifespan=lifespan, redirect_slashes=False)
-    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
+    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, emb, metrics
     app.state.readiness = readiness
     router = _v1_router(served)
     if limits.enable_weight_updates and ctx is not None:
@@ -139,13 +136,15 @@ def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
     return app
 
 
-def _readiness(loop: AsyncEngine | None, svc: EmbeddingService | None) -> Readiness:
-    checks = []
-    if loop is not None:
-        checks.append(lambda: loop.error or (None if loop.alive else "the engine is stopped"))
-    if svc is not None:
-        checks.append(lambda: None if svc.alive else "the embedding worker is stopped")
-    return Readiness(checks, stop=loop.stop if loop is not None else lambda: None)
+def _readiness(loops: list[AsyncEngine]) -> Readiness:
+    """Ready while every engine loop (the generation model's, the embedding model's) runs."""
+    def check(loop: AsyncEngine) -> Callable[[], str | None]:
+        return lambda: loop.error or (None if loop.alive else "the engine is stopped")
+
+    def stop() -> None:
+        for loop in loops:
+            loop.stop()
+    return Readiness([check(loop) for loop in loops], stop=stop)
 
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents for each POST
@@ -322,13 +321,12 @@ def embed_model_name(model: str | None) -> str:
     return DEFAULT_EMBED_MODEL_NAME if model is None else model_name(model)
 
 
-def load_embedder(args: argparse.Namespace, model: str | None, load_format: str = "auto",
-                  max_model_len: int | None = None) -> Embedder:
-    """The embedding model, through ``LLM(task="embed")`` so that it is exactly the offline one."""
-    from samebits.llm import LLM
-    config = EngineConfig.from_cli_args(args, task="embed", model=model, load_format=load_format,
-                                        max_model_len=max_model_len, seed=args.seed)
-    return LLM(**dataclasses.asdict(config)).embedder
+def load_embed_engine(args: argparse.Namespace, model: str | None, load_format: str = "auto",
+                      max_model_len: int | None = None) -> LLMEngine:
+    """The embedding model's engine (``task="embed"``): the one ``LLM(task="embed")`` builds."""
+    return LLMEngine(EngineConfig.from_cli_args(args, task="embed", model=model,
+                                                load_format=load_format,
+                                                max_model_len=max_model_len, seed=args.seed))
 
 
 def read_chat_template(spec: str) -> str:
@@ -349,21 +347,21 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         if args.embed_model is not None:
             raise ValueError("--embed-model goes with --task generate; with --task embed, --model "
                              "names the embedding model")
-        embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
+        embed_engine = load_embed_engine(args, args.model, args.load_format, args.max_model_len)
         names = served_names(args, embed_model_name(args.model), DEFAULT_EMBED_MODEL_NAME)
-        _build_kernels(embedder.config)
-        return build_app(None, None, api_key, embedder=embedder, embed_model_name=names,
+        _build_kernels(embed_engine.config)
+        return build_app(None, None, api_key, embed_engine=embed_engine, embed_model_name=names,
                          max_queued_requests=args.max_queued_requests, limits=limits)
     engine = load_engine(args)
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
-    embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
+    embed_engine, embed_name = None, DEFAULT_EMBED_MODEL_NAME
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
-        embedder, embed_name = load_embedder(args, path), embed_model_name(path)
-    _build_kernels(engine.config, *([embedder.config] if embedder is not None else []))
+        embed_engine, embed_name = load_embed_engine(args, path), embed_model_name(path)
+    _build_kernels(engine.config, *([embed_engine.config] if embed_engine is not None else []))
     return build_app(engine, served_names(args, model_name(args.model), DEFAULT_MODEL_NAME),
-                     api_key, embedder=embedder, embed_model_name=embed_name,
+                     api_key, embed_engine=embed_engine, embed_model_name=embed_name,
                      max_queued_requests=args.max_queued_requests,
                      canary_rate=args.canary_rate, limits=limits, max_logprobs=args.max_logprobs)
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 
 from samebits.engine.engine import LLMEngine
 from samebits.engine.fanout import seed_requests
+from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import Sequence, SequenceStatus
 from samebits.outputs import CompletionOutput
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
@@ -35,7 +37,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    output: CompletionOutput | None = None  # the request's result (one choice)
+    output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
     text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
 
@@ -44,7 +46,7 @@ class Delta:
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]  # the request's, unseeded per candidate
+    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
     seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
@@ -239,8 +241,10 @@ class AsyncEngine:
             return  # the caller went away before admission
         group, seqs = cmd.group, []
         try:
-            group.seed, params = seed_requests(group.params, group.seed_offsets,
-                                               self.engine.draw_seed)
+            params = group.params  # pooling requests draw no seed
+            if not isinstance(params[0], PoolingParams):
+                group.seed, params = seed_requests(params, group.seed_offsets,
+                                                   self.engine.draw_seed)
             for rid, ids, p, off in zip(group.request_ids, group.prompts, params,
                                         group.seed_offsets, strict=True):
                 seqs.append(self.engine.add_request(rid, ids, p, score_only=group.score_only,
@@ -320,6 +324,8 @@ class AsyncEngine:
                 self._release(1)
 
     def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        if isinstance(seq, PoolingSequence):
+            return self._deliver_pooled(seq, t)
         total = len(seq.output_token_ids)
         if total > t.seen:
             self.metrics.generation_tokens.inc(total - t.seen)
@@ -344,6 +350,14 @@ class AsyncEngine:
         text = self.engine.output.stream_text(seq) if t.group.stream else ""
         _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
                              seq.top_logprobs[s], output, text=text))
+
+    def _deliver_pooled(self, seq: PoolingSequence, t: _Tracked) -> None:
+        """A pooling request's one delta: its vector, once computed."""
+        if not seq.is_finished:
+            return
+        self._untrack(seq.request_id)
+        self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
+        _post(t.group, Delta(t.index, [], [], [], PoolingOutput(seq.embedding)))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)

@@ -1,7 +1,7 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process never collide).
 
 The HTTP side counts requests by status; the engine loop reports tokens, queue lengths, batch
-sizes, KV blocks in use and latencies; the embedding worker reports embedded inputs and tokens.
+sizes, KV blocks in use and latencies; the embedding engine's loop reports embedded inputs and tokens.
 prometheus_client is thread-safe, so all may write.
 
 vLLM's names are exported beside samebits' own, with vLLM's ``model_name`` label (the served
@@ -126,7 +126,7 @@ class Metrics:
         self.embedding_tokens = Counter("samebits_embedding_tokens", "Tokens embedded",
                                         registry=r)
         self.embedding_batch_size = Histogram("samebits_embedding_batch_size", "Inputs per "
-                                              "embedder call (concurrent requests together)",
+                                              "embedding engine step (requests together)",
                                               buckets=_BATCH_BUCKETS + (1024, 2048), registry=r)
         self.embedding_latency = Histogram("samebits_embedding_seconds", "Arrival to vectors, "
                                            "per embedding request", buckets=_LATENCY_BUCKETS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from samebits.server.embeddings import EmbeddingService
+from samebits.server.embeddings import EmbeddingContext
 from samebits.server.errors import APIError
 from samebits.server.protocol import ModelCard
 from samebits.server.serving import ServingContext
@@ -19,7 +19,7 @@ from samebits.server.serving import ServingContext
 @dataclass
 class ServedModels:
     generation: ServingContext | None
-    embedding: EmbeddingService | None
+    embedding: EmbeddingContext | None
     embedding_aliases: tuple[str, ...] = ()  # the embedding model's other names
 
     def __post_init__(self) -> None:
@@ -63,7 +63,7 @@ class ServedModels:
             cards += [ModelCard(id=name, root=root, max_model_len=ctx.max_model_len,
                                 system_fingerprint=ctx.fingerprint) for name in self._gen_names]
         if (svc := self.embedding) is not None:
-            root = svc.embedder.config.model or svc.model_name
+            root = svc.engine.engine.config.model or svc.model_name
             cards += [ModelCard(id=name, root=root, max_model_len=svc.max_len,
                                 system_fingerprint=svc.fingerprint, task="embed")
                       for name in self._emb_names]
@@ -88,7 +88,7 @@ class ServedModels:
             raise self._not_found(name)
         return self.generation
 
-    def for_embedding(self, name: str | None) -> EmbeddingService:
+    def for_embedding(self, name: str | None) -> EmbeddingContext:
         """The embedding model an embeddings request names (None: the served one)."""
         if name is not None and name in self._gen_names:
             raise self._generation_model(name)
