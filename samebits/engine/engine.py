@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine.grammar import GrammarCompiler, GrammarState
+from samebits.engine.isolation import cause, token_cause
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
@@ -24,6 +26,8 @@ from samebits.loader import LoadedModel, load
 from samebits.models.weights import update_weights
 from samebits.sampling_params import SamplingParams
 from samebits.text.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("samebits.engine")
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that made progress (new tokens or finished)."""
+        """Run one step; return the sequences that made progress (new tokens or finished). A
+        request whose own work fails in the step (``samebits.engine.isolation``) is among them,
+        finished with ``finish_reason="error"`` and ``error`` naming the cause; the others go on
+        with their bits unchanged."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -217,9 +224,26 @@ class LLMEngine:
                 self.scheduler.finish(seq, "length")
         for seq, token, logprob, top in zip(result.sampled, result.tokens, result.logprobs,
                                             result.top_logprobs, strict=True):
-            self._append_token(seq, token, logprob, top)
+            self._advance(seq, token, logprob, top, result.failed.get(seq.request_id))
         return [s for s in batch.seqs if s.score_only or s.is_finished] + [
             s for s in result.sampled if not s.is_finished]
+
+    def _advance(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
+                 failed: str | None) -> None:
+        """Append the sampled token, unless the request's own work failed: in the runner
+        (``failed``), in the model (a non-finite row) or here (its grammar, stop strings or
+        detokenizer); then it alone finishes with the error."""
+        error = failed or token_cause(logprob)
+        if error is None:
+            try:
+                self._append_token(seq, token, logprob, top)
+                return
+            except Exception as e:
+                error = cause("its output", e)
+        log.warning("request %s failed alone: %s", seq.request_id, error)
+        seq.error = error
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
 
     def _append_token(self, seq: Sequence, token: int, logprob: float,
                       top: dict[int, float]) -> None:

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket, batch_buckets
-from samebits.engine.grammar import apply_grammar_masks
-from samebits.engine.logits_processor import apply_logits_processors
+from samebits.engine.isolation import processed_logits
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later
@@ -49,6 +48,7 @@ class StepResult:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its row failed
 
 
 @dataclass
@@ -277,7 +277,7 @@ class ModelRunner:
             hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
         logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
-        logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
+        logits = processed_logits(logits, seqs, result.failed)  # a failing row fails alone
         pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.output_token_ids) for s in seqs])
         ks = [s.params.logprobs or 0 for s in seqs]

@@ -297,7 +297,7 @@ class AsyncEngine:
         for seq in progressed:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
-                self._deliver(seq, tracked, now)
+                self._deliver_alone(seq, tracked, now)
 
     def _mark_running(self) -> None:
         """Requests the scheduler has taken in leave the queue count."""
@@ -329,6 +329,21 @@ class AsyncEngine:
         t.sent = total
         _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
                              seq.top_logprobs[s], output))
+
+    def _deliver_alone(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        """``_deliver``, or the request's own error: a request that failed alone in the step, or
+        whose result cannot be built, fails with its cause; the others are delivered as usual."""
+        if seq.error is not None:
+            return self._fail(seq.request_id, seq.error)
+        try:
+            self._deliver(seq, t, now)
+        except Exception as e:
+            log.exception("delivering %s failed", seq.request_id)
+            message = f"building its output failed: {type(e).__name__}"
+            if seq.request_id in self._tracked:
+                self._fail(seq.request_id, message)
+            else:  # it failed after leaving the tracked set: tell its caller all the same
+                _post(t.group, Delta(t.index, [], [], [], error=message))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)
