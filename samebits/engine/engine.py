@@ -17,7 +17,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine.grammar import GrammarCompiler, GrammarState
-from samebits.engine.isolation import cause, token_cause
+from samebits.engine.isolation import RequestError, cause, token_cause
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
@@ -229,7 +229,7 @@ class LLMEngine:
             s for s in result.sampled if not s.is_finished]
 
     def _advance(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
-                 failed: str | None) -> None:
+                 failed: RequestError | None) -> None:
         """Append the sampled token, unless the request's own work failed: in the runner
         (``failed``), in the model (a non-finite row) or here (its grammar, stop strings or
         detokenizer); then it alone finishes with the error."""
@@ -240,7 +240,7 @@ class LLMEngine:
                 return
             except Exception as e:
                 error = cause("its output", e)
-        log.warning("request %s failed alone: %s", seq.request_id, error)
+        log.warning("request %s failed alone: %s", seq.request_id, error.message)
         seq.error = error
         if not seq.is_finished:
             self.scheduler.finish(seq, "error")

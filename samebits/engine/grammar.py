@@ -73,8 +73,10 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> None:
-        if not self.matcher.accept_token(token):
-            raise RuntimeError(f"token {token} was sampled outside the grammar's mask")
+        if not self.matcher.accept_token(token):  # every token the grammar allows was forbidden
+            raise GrammarError(f"the output constraint does not allow token {token}, and "
+                               "min_tokens, stop_token_ids or logit_bias forbade every token it "
+                               "allows")
 
     @property
     def terminated(self) -> bool:

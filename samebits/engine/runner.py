@@ -11,7 +11,7 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket, batch_buckets
-from samebits.engine.isolation import processed_logits
+from samebits.engine.isolation import RequestError, processed_logits
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later
@@ -48,7 +48,7 @@ class StepResult:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its row failed
+    failed: dict[str, RequestError] = field(default_factory=dict)  # by request id: why it failed
 
 
 @dataclass

@@ -11,6 +11,7 @@ from samebits.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from samebits.engine.grammar import GrammarState
+    from samebits.engine.isolation import RequestError
 
 
 class SequenceStatus(enum.Enum):
@@ -49,7 +50,7 @@ class Sequence:
     text: str | None = None  # set when a stop string cut the text
     grammar: GrammarState | None = None  # structured output: this request's matcher
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, for stop strings
-    error: str | None = None  # why it failed alone (finish_reason "error"), else None
+    error: RequestError | None = None  # why it failed alone (finish_reason "error"), else None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -35,6 +35,7 @@ class Delta:
     top_logprobs: list[dict[int, float]]
     output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
+    error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
 
 
 @dataclass
@@ -334,7 +335,8 @@ class AsyncEngine:
         """``_deliver``, or the request's own error: a request that failed alone in the step, or
         whose result cannot be built, fails with its cause; the others are delivered as usual."""
         if seq.error is not None:
-            return self._fail(seq.request_id, seq.error)
+            status = 400 if seq.error.invalid_request else 500
+            return self._fail(seq.request_id, seq.error.message, status)
         try:
             self._deliver(seq, t, now)
         except Exception as e:
@@ -345,7 +347,7 @@ class AsyncEngine:
             else:  # it failed after leaving the tracked set: tell its caller all the same
                 _post(t.group, Delta(t.index, [], [], [], error=message))
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, message: str, status: int = 500) -> None:
         t = self._untrack(request_id)
         assert t is not None
         try:
@@ -353,7 +355,7 @@ class AsyncEngine:
         except Exception:  # the engine is in a bad state; the request is dropped either way
             log.exception("abort of %s failed", request_id)
         self.metrics.finished.labels(reason="error").inc()
-        _post(t.group, Delta(t.index, [], [], [], error=message))
+        _post(t.group, Delta(t.index, [], [], [], error=message, error_status=status))
 
     def _report_state(self) -> None:
         stats = self.engine.stats()

@@ -27,10 +27,20 @@ TOOLS_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
+# template variables the renderer sets itself (or takes as its own arguments): a request's
+# chat_template_kwargs may not name them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "add_generation_prompt",
+                                      "self"})
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, template: str | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text; ``ValueError`` when there is no template or it fails."""
+    """The prompt text; ``ValueError`` when there is no template, it fails, or
+    ``template_kwargs`` names a reserved variable (``RESERVED_TEMPLATE_KWARGS``)."""
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ())):
+        raise ValueError(f"chat_template_kwargs: {reserved} are set by the server, not by "
+                         "chat_template_kwargs")
     template = template or tokenizer.chat_template
     if not template:
         raise ValueError("this model's tokenizer has no chat template")

@@ -114,25 +114,26 @@ def _with_bias(engine):
                                                            logit_bias={9: 5.0}))
 
 
-POISONS = {
-    "logits processor": (_with_bias, "logits processors failed: a logits processor broke"),
-    "grammar mask raises": (_with_grammar("fill"), "structured output failed: the matcher"),
-    "grammar mask empty": (_with_grammar("empty"), "allows no next token"),
-    "grammar refuses the token": (_with_grammar("accept"), "its output failed: token"),
-    "detokenizer": (_with_broken_detokenizer, "its output failed: 'utf-8' codec"),
-    "NaN logits": (_with_prompt(NAN_TOKEN), "not finite"),
-    "infinite logits": (_with_prompt(INF_TOKEN), "not finite"),
+POISONS = {  # kind: (poison, message, the request's own fault)
+    "logits processor": (_with_bias, "logits processors failed: a logits processor broke", False),
+    "grammar mask raises": (_with_grammar("fill"), "structured output failed: the matcher", False),
+    "grammar mask empty": (_with_grammar("empty"), "allows no next token", True),
+    "grammar refuses the token": (_with_grammar("accept"), "its output failed: token", False),
+    "detokenizer": (_with_broken_detokenizer, "its output failed: 'utf-8' codec", False),
+    "NaN logits": (_with_prompt(NAN_TOKEN), "not finite", False),
+    "infinite logits": (_with_prompt(INF_TOKEN), "not finite", False),
 }
 
 
 @pytest.mark.parametrize("kind", list(POISONS))
 def test_a_failing_request_fails_alone_and_neighbours_keep_their_solo_bits(engine, solo, kind,
                                                                            monkeypatch):
-    poison, message = POISONS[kind]
+    poison, message, invalid_request = POISONS[kind]
     monkeypatch.setattr(LogitBias, "apply", _raising_bias(LogitBias.apply))
     done = _run(engine, PLAIN, poison)
     bad = done["poison"]
-    assert bad.finish_reason == "error" and message in bad.error, bad.error
+    assert bad.finish_reason == "error" and message in bad.error.message, bad.error
+    assert bad.error.invalid_request is invalid_request
     for i, (tokens, logprobs) in enumerate(solo):
         seq = done[f"plain-{i}"]
         assert seq.finish_reason == "length" and seq.error is None
