@@ -39,6 +39,7 @@ from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingService, create_embedding
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from samebits.server.memory import GiveBackMemory
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
@@ -111,6 +112,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None,
     _add_error_handlers(app)
     document_bodies(app, REQUEST_BODIES)
     app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
+    app.add_middleware(GiveBackMemory)  # after a large body, free heap goes back to the system
     app.add_middleware(StatusCounter, metrics=metrics)  # outermost: counts the guard's 413/415
     return app
 

@@ -49,12 +49,12 @@ from samebits.server.tokens import TextStream
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
                             ) -> Response:
     ctx.check_model(req.model)
-    prompts = await _prompts(ctx, req.prompt)
-    k = req.num_candidates()
-    if len(prompts) * k > MAX_CHOICES:
+    k, count = req.num_candidates(), _count(req.prompt)
+    if count * k > MAX_CHOICES:  # before any tokenizing: the work is bounded by the count
         name = "n" if req.best_of is None else "best_of"
-        raise APIError(400, f"{len(prompts)} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
+        raise APIError(400, f"{count} prompts x {name}={k} exceeds {MAX_CHOICES} choices "
                        "per request", param=name)
+    prompts = await _prompts(ctx, req.prompt)
     if req.stream and (req.echo or req.prompt_logprobs is not None):
         param = "echo" if req.echo else "prompt_logprobs"
         raise APIError(400, f"{param} is not supported with stream=true; send it without stream",
@@ -102,6 +102,11 @@ def _prompt_texts(ctx: ServingContext, prompt: str | list, ids: list[list[int]])
     if ctx.tokenizer is None:
         return ["" for _ in ids]
     return [ctx.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
+
+
+def _count(prompt: str | list) -> int:
+    """How many prompts the field holds (a flat id list is one)."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
 async def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
