@@ -20,6 +20,7 @@ from samebits.engine.context_length import check_context_length
 from samebits.engine.executor import start_runner
 from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
+from samebits.engine.isolation import RequestError, cause, token_cause
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.logits_processor import with_bad_words_token_ids
 from samebits.engine.output_processor import OutputProcessor
@@ -219,7 +220,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that made progress (new tokens or finished)."""
+        """Run one step; return the sequences that made progress (new tokens or finished). A
+        request whose own work fails in the step (``samebits.engine.isolation``) is among them,
+        finished with ``finish_reason="error"`` and ``error`` naming the cause; the others go on
+        with their bits unchanged."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -244,9 +248,28 @@ class LLMEngine:
         ranks = result.ranks or [None] * len(result.tokens)
         for seq, token, logprob, top, rank in zip(result.sampled, result.tokens, result.logprobs,
                                                   result.top_logprobs, ranks, strict=True):
-            self._append_token(seq, token, logprob, top, rank, now)
+            self._advance(seq, token, logprob, top, rank, now,
+                          result.failed.get(seq.request_id))
         return [s for s in batch.seqs if s.score_only or s.is_finished] + [
             s for s in result.sampled if not s.is_finished]
+
+    def _advance(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
+                 rank: int | None, now: float, failed: RequestError | None) -> None:
+        """Append the sampled token, unless the request's own work failed: in the runner
+        (``failed``), in the model (a non-finite row) or here (its grammar, stop strings or
+        detokenizer); then it alone finishes with the error."""
+        error = failed or token_cause(logprob)
+        if error is None:
+            try:
+                self._append_token(seq, token, logprob, top, rank, now)
+                return
+            except Exception as e:
+                error = cause("its output", e)
+        log.warning("request %s failed alone: %s", seq.request_id, error.message)
+        seq.error = error
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+            _mark_finished(seq, now)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
                       rank: int | None = None, now: float | None = None) -> None:

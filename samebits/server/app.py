@@ -43,6 +43,7 @@ from samebits.server.guard import RequestGuard
 from samebits.server.launch import load_engine, served_names
 from samebits.server.lifecycle import Readiness, ReadinessGate
 from samebits.server.limits import ServerLimits
+from samebits.server.memory import GiveBackMemory
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
@@ -127,8 +128,10 @@ def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
     _add_open_routes(app, served, metrics, readiness)
     _add_error_handlers(app)
     document_bodies(app, REQUEST_BODIES)
-    # outermost last: StatusCounter, then the key, then readiness, then the body checks
+    # outermost last: StatusCounter, then the key, then readiness, then the body checks; after
+    # a large body, free heap goes back to the system (GiveBackMemory)
     app.add_middleware(RequestGuard, limits=limits)
+    app.add_middleware(GiveBackMemory)
     app.add_middleware(ReadinessGate, readiness=readiness)
     open_paths = ("/health", "/metrics") if limits.metrics_public else ("/health",)
     app.add_middleware(APIKeyAuth, api_keys=keys, open_paths=open_paths)

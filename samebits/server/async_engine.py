@@ -40,6 +40,7 @@ class Delta:
     output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
     text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
+    error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
 
 
 @dataclass
@@ -314,7 +315,7 @@ class AsyncEngine:
         for seq in progressed:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
-                self._deliver(seq, tracked, now)
+                self._deliver_alone(seq, tracked, now)
 
     def _mark_running(self) -> None:
         """Requests the scheduler has taken in leave the queue count."""
@@ -359,7 +360,23 @@ class AsyncEngine:
         self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
         _post(t.group, Delta(t.index, [], [], [], PoolingOutput(seq.embedding)))
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _deliver_alone(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        """``_deliver``, or the request's own error: a request that failed alone in the step, or
+        whose result cannot be built, fails with its cause; the others are delivered as usual."""
+        if seq.error is not None:
+            status = 400 if seq.error.invalid_request else 500
+            return self._fail(seq.request_id, seq.error.message, status)
+        try:
+            self._deliver(seq, t, now)
+        except Exception as e:
+            log.exception("delivering %s failed", seq.request_id)
+            message = f"building its output failed: {type(e).__name__}"
+            if seq.request_id in self._tracked:
+                self._fail(seq.request_id, message)
+            else:  # it failed after leaving the tracked set: tell its caller all the same
+                _post(t.group, Delta(t.index, [], [], [], error=message))
+
+    def _fail(self, request_id: str, message: str, status: int = 500) -> None:
         t = self._untrack(request_id)
         assert t is not None
         try:
@@ -367,7 +384,7 @@ class AsyncEngine:
         except Exception:  # the engine is in a bad state; the request is dropped either way
             log.exception("abort of %s failed", request_id)
         self.metrics.finished.labels(reason="error").inc()
-        _post(t.group, Delta(t.index, [], [], [], error=message))
+        _post(t.group, Delta(t.index, [], [], [], error=message, error_status=status))
 
     def _report_state(self) -> None:
         stats = self.engine.stats()

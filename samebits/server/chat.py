@@ -58,7 +58,7 @@ from samebits.server.serving import (
 from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
-from samebits.text.chat_template import render_chat
+from samebits.text.chat_template import RESERVED_TEMPLATE_KWARGS, render_chat
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
     messages = [_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tool_list()]
     kwargs = req.chat_template_kwargs or {}
-    if reserved := {"messages", "tools", "add_generation_prompt"} & set(kwargs):
+    if reserved := RESERVED_TEMPLATE_KWARGS & set(kwargs):
         raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set from the request "
                        "itself", param="chat_template_kwargs")
     try:

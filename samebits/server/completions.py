@@ -59,8 +59,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     ctx.check_model(req.model)
     check_logprobs(ctx, req.logprobs, "logprobs")
     check_logprobs(ctx, req.prompt_logprobs, "prompt_logprobs")
+    _check_shape(req, _count(req.prompt))  # before any tokenizing: the work is bounded by the count
     prompts = [truncated(ctx, p, req.truncate_prompt_tokens) for p in await _prompts(ctx, req.prompt)]
-    _check_shape(req, len(prompts))
     k = req.num_candidates()
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
@@ -126,6 +126,11 @@ def _prompt_texts(ctx: ServingContext, req: CompletionRequest, ids: list[list[in
     if ctx.tokenizer is None:
         return ["" for _ in ids]
     return [ctx.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
+
+
+def _count(prompt: str | list) -> int:
+    """How many prompts the field holds (a flat id list is one)."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
 async def _prompts(ctx: ServingContext, prompt: str | list) -> list[list[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from samebits.server.output_hash import HEADER, output_hash
 from samebits.server.protocol import ErrorResponse, PromptTokensDetails, Usage
 from samebits.server.tokens import TokenText
 from samebits.text.tokenizer import Tokenizer
+
+log = logging.getLogger("samebits.server")
 
 
 @dataclass
@@ -125,7 +128,7 @@ async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
     while remaining:
         delta = await group.queue.get()
         if delta.error is not None:
-            raise APIError(500, delta.error)
+            raise APIError(delta.error_status, delta.error)
         remaining -= delta.output is not None
         yield delta
 
@@ -206,6 +209,10 @@ def sse(ctx: ServingContext, group: RequestGroup,
                 yield f"data: {event.model_dump_json()}\n\n"
         except APIError as e:
             yield f"data: {ErrorResponse(error=e.info()).model_dump_json()}\n\n"
+        except Exception as e:  # this stream's own failure (its tool parsing, its text): it ends
+            log.exception("stream failed")  # with an error event, alone
+            info = APIError(500, f"internal error: {type(e).__name__}").info()
+            yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
         finally:
             ctx.engine.abort(group.request_ids)
         yield "data: [DONE]\n\n"

@@ -189,7 +189,7 @@ def _parse_tagged(text: str) -> list[tuple[str, str]] | None:
     for body in _CALL.findall(text):
         try:
             call = _call(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
             return None
         if call is None:
             return None
@@ -200,7 +200,7 @@ def _parse_tagged(text: str) -> list[tuple[str, str]] | None:
 def _parse_required(text: str) -> list[tuple[str, str]] | None:
     try:
         items = json.loads(text)
-    except ValueError:
+        calls = [_call(x) for x in items] if isinstance(items, list) else [None]
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
         return None
-    calls = [_call(x) for x in items] if isinstance(items, list) else [None]
     return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
