@@ -45,7 +45,7 @@ def live(tmp_path_factory):
     engine = tiny_engine(tmp_path_factory.mktemp("isolation"), max_model_len=512)
     engine.grammars.compile(StructuredOutputsParams(choice=["warm"]))  # xgrammar set up once
     with torch.no_grad():
-        engine.loaded.model.embed_tokens[NAN_TOKEN] = float("nan")
+        engine.loaded.model.embed_tokens.weight[NAN_TOKEN] = float("nan")
     steps: list[tuple[set[str], set[str]]] = []  # per step: (request ids, those that failed)
     postprocess = engine.postprocess
 

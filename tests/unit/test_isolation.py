@@ -37,8 +37,8 @@ def engine(tmp_path_factory) -> LLMEngine:
     eng = LLMEngine(EngineConfig(str(path / "config.json"), load_format="dummy",
                                  num_kv_blocks=64))
     with torch.no_grad():
-        eng.loaded.model.embed_tokens[NAN_TOKEN] = float("nan")
-        eng.loaded.model.embed_tokens[INF_TOKEN] = float("inf")
+        eng.loaded.model.embed_tokens.weight[NAN_TOKEN] = float("nan")
+        eng.loaded.model.embed_tokens.weight[INF_TOKEN] = float("inf")
     return eng
 
 
