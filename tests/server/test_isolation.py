@@ -144,13 +144,19 @@ def planted(live, monkeypatch):
         return original_push(self, token_id)
     monkeypatch.setattr(IncrementalDetokenizer, "push", push)
 
-    original_finish = ToolStream.finish
+    original_finish, original_parse = ToolStream.finish, ToolStream.parse
 
-    def finish(self):
+    def finish(self, cut=False):
         if self.plan.mode == "auto":
             raise RuntimeError("planted tool parser fault")
-        return original_finish(self)
+        return original_finish(self, cut)
+
+    def parse(self, text, cut=False):  # a whole answer, cut by max_tokens or not
+        if self.plan.mode == "auto":
+            raise RuntimeError("planted tool parser fault")
+        return original_parse(self, text, cut)
     monkeypatch.setattr(ToolStream, "finish", finish)
+    monkeypatch.setattr(ToolStream, "parse", parse)
 
 
 def _raise(message: str) -> Callable:
