@@ -122,6 +122,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--canary-rate", type=_rate, default=0.01,
                    help="share of finished requests the determinism canary replays alone in idle "
                    "time, comparing output hashes (0 turns it off)")
+    p.add_argument("--no-engine-process", action="store_true",
+                   help="run the engine in a thread of the server process (sharing its GIL) "
+                   "instead of a process of its own")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="server log level")
     server_limits.add_cli_args(p)

@@ -38,6 +38,7 @@ from samebits.server.auth import APIKeyAuth
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingContext, create_embedding
+from samebits.server.engine_process import EngineProcess
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import RequestGuard
 from samebits.server.launch import load_engine, served_names
@@ -66,7 +67,7 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_LIMITS = ServerLimits()
 
 
-def build_app(engine: LLMEngine | None, model_name: str | Sequence[str] | None,
+def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | Sequence[str] | None,
               api_key: str | Sequence[str] | None = None, *,
               embed_engine: LLMEngine | None = None,
               embed_model_name: str | Sequence[str] = DEFAULT_EMBED_MODEL_NAME,
@@ -355,7 +356,7 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         _build_kernels(embed_engine.config)
         return build_app(None, None, api_key, embed_engine=embed_engine, embed_model_name=names,
                          max_queued_requests=args.max_queued_requests, limits=limits)
-    engine = load_engine(args)
+    engine = load_engine(args)  # in a process of its own unless --no-engine-process
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
     embed_engine, embed_name = None, DEFAULT_EMBED_MODEL_NAME

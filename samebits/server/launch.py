@@ -12,6 +12,7 @@ from pathlib import Path
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.loader import load, resolve_model_dir
+from samebits.server.engine_process import EngineProcess
 from samebits.text.tokenizer import Tokenizer
 
 # vLLM flags samebits accepts with no effect, and why (each is logged once at start)
@@ -56,20 +57,30 @@ def served_names(args: argparse.Namespace, derived: str, default: str) -> tuple[
     return tuple(dict.fromkeys(names or [default]))
 
 
-def load_engine(args: argparse.Namespace) -> LLMEngine:
-    """The generation engine; with ``--tokenizer``, that tokenizer instead of the model's
-    (one rank only: under tensor parallel each rank loads its own shard)."""
+def load_engine(args: argparse.Namespace) -> LLMEngine | EngineProcess:
+    """The generation engine: in a process of its own (samebits.server.engine_process), or with
+    ``--no-engine-process`` in this one; with ``--tokenizer``, that tokenizer instead of the
+    model's."""
     config = EngineConfig.from_cli_args(args, seed=args.seed)
-    if getattr(args, "tokenizer", None) is None:
-        return LLMEngine(config)
-    if config.tensor_parallel_size > 1:
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and config.tensor_parallel_size > 1:
         raise ValueError("--tokenizer cannot be combined with --tensor-parallel-size > 1")
-    loaded = load(config)
-    path = Path(args.tokenizer).expanduser()
-    if not path.is_dir():  # a model file or id: the directory the loader resolves it to
-        path = resolve_model_dir(args.tokenizer)
-    tokenizer = Tokenizer.from_dir(path, loaded.model_config.eos_token_ids)
+    if getattr(args, "no_engine_process", False):
+        return engine_with_tokenizer(config, tokenizer)
+    return EngineProcess(config, args.log_level, tokenizer)
+
+
+def engine_with_tokenizer(config: EngineConfig, tokenizer: str | None) -> LLMEngine:
+    """An engine; with ``tokenizer`` (a directory, model file or id), that tokenizer instead of
+    the model's (one rank only: under tensor parallel each rank loads its own shard)."""
     if tokenizer is None:
-        raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
-    loaded.tokenizer = tokenizer
+        return LLMEngine(config)
+    loaded = load(config)
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():  # a model file or id: the directory the loader resolves it to
+        path = resolve_model_dir(tokenizer)
+    tok = Tokenizer.from_dir(path, loaded.model_config.eos_token_ids)
+    if tok is None:
+        raise ValueError(f"--tokenizer {tokenizer}: no tokenizer.json there")
+    loaded.tokenizer = tok
     return LLMEngine(config, loaded)
