@@ -1,56 +1,58 @@
-"""The engine loop: one thread owns the ``LLMEngine``; the event loop talks to it through queues.
+"""The server's side of the engine: requests go to the engine core, outputs come back to the event
+loop, one hand-over per engine step.
 
-Requests enter and leave through a thread-safe command queue; the thread steps the engine while
-there is work and hands each request's progress to an asyncio queue on the caller's event loop.
-Only this thread touches the engine (it is not thread-safe). An HTTP request is a ``RequestGroup``
-of engine requests, one per choice, submitted all or nothing.
+The engine core (samebits.server.engine_core) owns the ``LLMEngine`` and steps it. It runs in a
+process of its own when the app is given an ``EngineProcess`` (``samebits serve``), or in a thread
+of this process when it is given an ``LLMEngine`` (tests, embedding in other programs); both
+behave the same. Each ``CoreOutputs`` (admission replies, the step's deltas, statistics) reaches
+the event loop in one ``call_soon_threadsafe`` and is dispatched there: replies resolve waiting
+submissions, each delta goes to its request group's queue, the statistics to the metrics. An HTTP
+request is a ``RequestGroup`` of engine requests, one per choice, submitted all or nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import itertools
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.fanout import seed_requests
-from samebits.engine.sequence import Sequence, SequenceStatus
-from samebits.outputs import CompletionOutput
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
-from samebits.server.canary import Canary
+from samebits.server.engine_core import (
+    NOT_RUNNING,
+    Abort,
+    AddGroup,
+    Admitted,
+    CoreOutputs,
+    CoreStats,
+    Delta,
+    EngineCore,
+    Stop,
+    UpdateWeights,
+    WeightsUpdated,
+)
+from samebits.server.engine_process import EngineProcess
 from samebits.server.metrics import Metrics
 
-log = logging.getLogger("samebits.server")
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New tokens of one engine request; ``output`` is set on its last delta."""
-
-    index: int  # the request's position in its group
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    output: CompletionOutput | None = None  # the request's result (one choice)
-    error: str | None = None  # the engine failed; the request is gone
-    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
+__all__ = ["RETRY_AFTER_S", "AsyncEngine", "Delta", "QueueFull", "RequestGroup"]
+RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
 
 
 @dataclass
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]  # the request's, unseeded per candidate
+    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
     seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     seed: int | None = None  # the request's seed, given or drawn at admission (engine.fanout)
     seeds: list[int] = field(default_factory=list)  # per request, filled in at admission
@@ -58,305 +60,246 @@ class RequestGroup:
     prompt_logprobs: list = field(default_factory=list)  # per request (PromptLogprobs | None), same
 
 
-@dataclass
-class _Tracked:
-    group: RequestGroup
-    index: int
-    seq: Sequence
-    seen: int = 0  # tokens counted in the metrics
-    sent: int = 0  # tokens delivered to the caller
-    last_token: float = 0.0
-    queued: bool = False  # counted in AsyncEngine._queued (until it first runs or leaves)
+class _ThreadCore:
+    """The engine core on a thread of this process (``EngineProcess``'s interface)."""
 
-
-@dataclass(frozen=True)
-class _Add:
-    group: RequestGroup
-    done: Future
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class _UpdateWeights:
-    tensors: list  # (HF name, tensor) pairs
-    done: Future  # -> the new fingerprint
-
-
-_STOP = object()
-RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
-
-
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics,
-                 max_queued_requests: int | None = None, canary_rate: float = 0.0) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.canary = Canary(canary_rate, metrics, engine.config.seed)
-        self.max_queued_requests = max_queued_requests
-        self._queued = 0  # engine requests submitted and not yet running (under _lock)
-        self._lock = threading.Lock()
+    def __init__(self, engine: LLMEngine, canary_rate: float) -> None:
+        self.core = EngineCore(engine, canary_rate)  # checks the rate now
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
-        self._stopped = False
-        self._error: str | None = None  # set when a step fails (see ``error``)
-        self._update: _UpdateWeights | None = None  # engine thread only: a swap waiting to drain
-        self._held: list[_Add] = []  # requests that arrived while it waits (admitted after)
-        metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
 
-    # ---- event-loop side ------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="samebits-engine", daemon=True)
+    def start(self, deliver) -> None:
+        def run() -> None:
+            try:
+                self.core.run(_QueueInbox(self._commands), deliver)
+            finally:
+                deliver(None)
+        self._thread = threading.Thread(target=run, name="samebits-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread (what runs or waits fails); safe to call twice, from any thread."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._commands.put(_STOP)
-            thread.join(timeout)
+    def send(self, command: Any) -> None:
+        self._commands.put(command)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stop(self, timeout: float) -> None:
+        self._commands.put(Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class _QueueInbox:
+    def __init__(self, commands: queue.SimpleQueue) -> None:
+        self.commands = commands
+
+    def get(self, block: bool) -> Any:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def pending(self) -> bool:
+        return not self.commands.empty()
+
+
+class AsyncEngine:
+    """Submit request groups, abort them, swap weights; every method runs on the event loop
+    except ``stop`` (any thread)."""
+
+    def __init__(self, engine: LLMEngine | EngineProcess, metrics: Metrics,
+                 max_queued_requests: int | None = None, canary_rate: float = 0.0) -> None:
+        if not 0.0 <= canary_rate <= 1.0:
+            raise ValueError(f"canary rate must be in [0, 1], got {canary_rate!r}")
+        self.engine = engine
+        self.metrics = metrics
+        self.canary_rate = canary_rate
+        self.max_queued_requests = max_queued_requests
+        self._core: _ThreadCore | EngineProcess | None = None
+        if isinstance(engine, LLMEngine):
+            self._thread_core = _ThreadCore(engine, canary_rate)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queued = 0  # engine requests submitted and not yet running
+        self._groups: dict[str, RequestGroup] = {}  # request id -> its group, until it finishes
+        self._admissions: dict[int, tuple[asyncio.Future, RequestGroup]] = {}
+        self._updates: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._error: str | None = None  # why the core takes no work (set by the core)
+        self._stopped = False
+        total = (engine.kv_blocks_total if isinstance(engine, EngineProcess)
+                 else engine.stats().kv_blocks_total)
+        metrics.kv_blocks_total.set(total)
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the core; outputs are dispatched on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        if isinstance(self.engine, EngineProcess):
+            self._core = self.engine
+            self._core.start(self.canary_rate, self._deliver)
+        else:
+            self._core = self._thread_core
+            self._core.start(self._deliver)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the core (what runs or waits fails); safe to call twice, from any thread."""
+        core, self._core = self._core, None
+        self._stopped = True
+        if core is not None:
+            core.stop(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._core is not None and self._core.alive
+
     @property
     def error(self) -> str | None:
-        """Why the engine cannot step (its thread died, or a step failed: its state is unknown,
-        so it takes no new work until the server restarts); None while it can."""
-        if self._error is None and self._thread is not None and not self._thread.is_alive():
-            return "the engine thread stopped"
+        """Why the engine takes no work (a step failed, or the core stopped); None while it
+        does."""
+        if self._error is None and self._core is not None and not self._core.alive:
+            return self._stopped
         return self._error
 
+    @property
+    def _stopped(self) -> str:
+        where = "thread" if isinstance(self.engine, LLMEngine) else "process"
+        return f"the engine {where} stopped"
+
+    def _check_running(self) -> None:
+        if self._stopped or not self.alive or self._error is not None:
+            raise RuntimeError(self.error or NOT_RUNNING)
+
+    # ---- requests ---------------------------------------------------------------------------
     async def submit(self, group: RequestGroup) -> None:
         """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid and
         ``QueueFull`` past ``max_queued_requests`` (a group is admitted whole into an empty
         queue, so any group can run)."""
-        if self._stopped or not self.alive or self._error is not None:
-            raise RuntimeError(self.error or "the engine loop is not running")
+        self._check_running()
         self._reserve(len(group.request_ids))
-        done: Future = Future()
-        self._commands.put(_Add(group, done))
+        group_id, done = next(self._ids), self._loop.create_future()
+        self._admissions[group_id] = (done, group)
+        self._groups.update(dict.fromkeys(group.request_ids, group))
+        self._core.send(AddGroup(group_id, group.request_ids, group.prompts, group.params,
+                                 group.seed_offsets, group.stream, group.cache_salt,
+                                 group.score_only, group.arrival))
         try:
-            await asyncio.wrap_future(done)
+            await done
         except asyncio.CancelledError:
             self.abort(group.request_ids)
             raise
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (idempotent: finished or unknown ids are ignored)."""
+        for request_id in request_ids:
+            self._groups.pop(request_id, None)
+        core = self._core
+        if core is not None and core.alive:
+            try:
+                core.send(Abort(list(request_ids)))
+            except RuntimeError:  # the engine process is gone: nothing left to abort
+                pass
 
     async def update_weights(self, tensors: list) -> str:
         """Swap weights between requests: admission pauses, the requests in flight finish on the
         old weights, the engine swaps, admission resumes; so no request mixes old and new weights.
         Returns the new fingerprint; raises the engine's ``ValueError`` for a bad tensor."""
-        if self._stopped or not self.alive or self._error is not None:
-            raise RuntimeError(self.error or "the engine loop is not running")
-        done: Future = Future()
-        self._commands.put(_UpdateWeights(tensors, done))
-        return await asyncio.wrap_future(done)
+        self._check_running()
+        call_id, done = next(self._ids), self._loop.create_future()
+        self._updates[call_id] = done
+        await asyncio.to_thread(self._core.send, UpdateWeights(call_id, tensors))  # may be large
+        return await done
 
     def _reserve(self, n: int) -> None:
-        with self._lock:
-            limit = self.max_queued_requests
-            if limit is not None and self._queued > 0 and self._queued + n > limit:
-                raise QueueFull(self._queued, limit)
-            self._queued += n
+        limit = self.max_queued_requests
+        if limit is not None and self._queued > 0 and self._queued + n > limit:
+            raise QueueFull(self._queued, limit)
+        self._queued += n
 
-    def _release(self, n: int) -> None:
-        with self._lock:
-            self._queued -= n
-
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (idempotent: finished or unknown ids are ignored)."""
-        self._commands.put(_Abort(list(request_ids)))
-
-    # ---- engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- outputs (on the event loop) ----------------------------------------------------------
+    def _deliver(self, outputs: CoreOutputs | None) -> None:
+        """From the core's side: hand ``outputs`` (None: the core is gone) to the event loop."""
         try:
-            while self._drain_commands(block=not self._has_work()):
-                if self.engine.has_unfinished():
-                    self._step()
-                elif self._update is not None:
-                    self._swap_weights()
-                elif self.canary.pending:  # idle: replay one request alone
-                    self.canary.replay(self.engine, busy=lambda: not self._commands.empty())
-                self._report_state()
-        except BaseException:
-            log.exception("the engine loop failed")
-            raise
-        finally:
-            self._shut_down()
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
-    def _has_work(self) -> bool:
-        return self.engine.has_unfinished() or self._update is not None or self.canary.pending
-
-    def _shut_down(self) -> None:
-        """Fail what is in flight and what is still queued: no caller waits forever."""
-        self._stopped = True
-        for request_id in list(self._tracked):
-            self._fail(request_id, "the server is shutting down")
-        held = [c for c in self._held if c.done.set_running_or_notify_cancel()]
-        pending = held + ([self._update] if self._update is not None else [])
-        self._held, self._update = [], None
-        for cmd in pending:
-            cmd.done.set_exception(RuntimeError("the engine loop is not running"))
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add | _UpdateWeights) and cmd.done.set_running_or_notify_cancel():
-                cmd.done.set_exception(RuntimeError("the engine loop is not running"))
-
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
-        try:
-            cmd = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        while True:
-            if cmd is _STOP:
-                return False
-            if isinstance(cmd, _Add) and self._update is not None:
-                self._held.append(cmd)  # admission is paused until the swap
-            elif isinstance(cmd, _Add):
-                self._add(cmd)
-            elif isinstance(cmd, _UpdateWeights):
-                self._queue_update(cmd)
+    def _dispatch(self, outputs: CoreOutputs | None) -> None:
+        if outputs is None:
+            return self._core_gone()
+        for reply in outputs.replies:
+            if isinstance(reply, Admitted):
+                self._admitted(reply)
             else:
-                for request_id in cmd.request_ids:
-                    self._abort(request_id)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+                self._weights_updated(reply)
+        groups = self._groups
+        for request_id, delta in outputs.deltas:
+            last = delta.output is not None or delta.error is not None
+            group = groups.pop(request_id, None) if last else groups.get(request_id)
+            if group is None:
+                continue  # aborted: its caller has gone
+            if delta.output is not None:
+                group.cached_tokens[delta.index] = delta.cached_tokens
+                group.prompt_logprobs[delta.index] = delta.prompt_logprobs
+            group.queue.put_nowait(delta)
+        self._record(outputs.stats)
 
-    def _add(self, cmd: _Add) -> None:
-        if not cmd.done.set_running_or_notify_cancel():
-            self._release(len(cmd.group.request_ids))
-            return  # the caller went away before admission
-        group, seqs = cmd.group, []
-        try:
-            group.seed, params = seed_requests(group.params, group.seed_offsets,
-                                               self.engine.draw_seed)
-            for rid, ids, p, off in zip(group.request_ids, group.prompts, params,
-                                        group.seed_offsets, strict=True):
-                seqs.append(self.engine.add_request(rid, ids, p, score_only=group.score_only,
-                                                   index=off, cache_salt=group.cache_salt))
-        except Exception as e:  # all or nothing, as LLM.generate
-            for seq in seqs:
-                self.engine.abort(seq.request_id)
-            self._release(len(group.request_ids))
-            cmd.done.set_exception(e)
+    def _admitted(self, reply: Admitted) -> None:
+        done, group = self._admissions.pop(reply.group_id)
+        if reply.error is not None:
+            for request_id in group.request_ids:
+                self._groups.pop(request_id, None)
+            if not done.done():
+                done.set_exception(reply.error)
             return
-        group.seeds = [s.seed for s in seqs]
-        group.cached_tokens = [0] * len(seqs)
-        group.prompt_logprobs = [None] * len(seqs)
-        for i, seq in enumerate(seqs):
-            self._tracked[seq.request_id] = _Tracked(group, i, seq, queued=True)
-            self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
-        cmd.done.set_result(None)
+        n = len(group.request_ids)
+        group.seeds, group.cached_tokens, group.prompt_logprobs = reply.seeds, [0] * n, [None] * n
+        group.seed = reply.seed
+        if not done.done():
+            done.set_result(None)
 
-    def _queue_update(self, cmd: _UpdateWeights) -> None:
-        if not cmd.done.set_running_or_notify_cancel():
+    def _weights_updated(self, reply: WeightsUpdated) -> None:
+        done = self._updates.pop(reply.call_id)
+        if done.done():
             return
-        if self._update is not None:
-            cmd.done.set_exception(RuntimeError("another weight update is in progress"))
-            return
-        self._update = cmd
+        if reply.error is not None:
+            done.set_exception(reply.error)
+        else:
+            done.set_result(reply.fingerprint)
 
-    def _swap_weights(self) -> None:
-        """The engine is drained: swap, answer, then admit the requests that were held."""
-        cmd, self._update = self._update, None
-        self.canary.forget(self.engine)
-        try:
-            cmd.done.set_result(self.engine.update_weights(cmd.tensors))
-        except Exception as e:  # ValueError: a bad tensor, nothing changed
-            cmd.done.set_exception(e)
-        held, self._held = self._held, []
-        for add in held:
-            self._add(add)
+    def _record(self, stats: CoreStats) -> None:
+        m = self.metrics
+        self._queued -= stats.dequeued
+        self._error = stats.error
+        if stats.prompt_tokens:
+            m.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.generation_tokens:
+            m.generation_tokens.inc(stats.generation_tokens)
+        for name, values in (("batch_size", stats.batch_sizes), ("ttft", stats.ttft),
+                             ("itl", stats.itl), ("e2e", stats.e2e)):
+            for value in values:  # an embedding loop's metrics have no token latencies
+                getattr(m, name).observe(value)
+        for reason, count in stats.finished.items():
+            m.finished.labels(reason=reason).inc(count)
+        for name in ("canary_checks", "canary_mismatches", "canary_dropped"):
+            if count := getattr(stats, name):
+                getattr(m, name).inc(count)
+        m.set_engine_state(stats.running, stats.waiting, stats.kv_blocks_used)
 
-    def _untrack(self, request_id: str) -> _Tracked | None:
-        t = self._tracked.pop(request_id, None)
-        if t is not None and t.queued:
-            t.queued = False
-            self._release(1)
-        return t
-
-    def _abort(self, request_id: str) -> None:
-        if self._untrack(request_id) is not None:
-            self.engine.abort(request_id)
-            self.metrics.finished.labels(reason="abort").inc()
-
-    def _step(self) -> None:
-        try:
-            progressed = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed; failing the requests in flight and taking no "
-                          "new work")
-            self._error = f"an engine step failed ({type(e).__name__}); restart the server"
-            for request_id in list(self._tracked):
-                self._fail(request_id, "internal error in the engine step")
-            return
-        if self.canary.holds_blocks_needed(self.engine):
-            self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
-        if progressed:
-            self.metrics.batch_size.observe(len(progressed))
-        self._mark_running()
-        now = time.monotonic()
-        for seq in progressed:
-            tracked = self._tracked.get(seq.request_id)
-            if tracked is not None:
-                self._deliver(seq, tracked, now)
-
-    def _mark_running(self) -> None:
-        """Requests the scheduler has taken in leave the queue count."""
-        for t in self._tracked.values():
-            if t.queued and t.seq.status is not SequenceStatus.WAITING:
-                t.queued = False
-                self._release(1)
-
-    def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
-        total = len(seq.output_token_ids)
-        if total > t.seen:
-            self.metrics.generation_tokens.inc(total - t.seen)
-            if t.seen == 0:
-                self.metrics.ttft.observe(now - t.group.arrival)
-            else:
-                self.metrics.itl.observe(now - t.last_token)
-            t.seen, t.last_token = total, now
-        output = None
-        if seq.is_finished:
-            output = self.engine.output.completion(seq)
-            t.group.cached_tokens[t.index] = seq.num_cached_tokens
-            t.group.prompt_logprobs[t.index] = self.engine.output.prompt_logprobs(seq)
-            self._untrack(seq.request_id)
-            self.canary.offer(seq)
-            self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
-        elif not t.group.stream or total == t.sent:
-            return
-        s = slice(t.sent, total)
-        t.sent = total
-        text = self.engine.output.stream_text(seq) if t.group.stream else ""
-        _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
-                             seq.top_logprobs[s], output, text=text))
-
-    def _fail(self, request_id: str, message: str) -> None:
-        t = self._untrack(request_id)
-        assert t is not None
-        try:
-            self.engine.abort(request_id)
-        except Exception:  # the engine is in a bad state; the request is dropped either way
-            log.exception("abort of %s failed", request_id)
-        self.metrics.finished.labels(reason="error").inc()
-        _post(t.group, Delta(t.index, [], [], [], error=message))
-
-    def _report_state(self) -> None:
-        stats = self.engine.stats()
-        self.metrics.set_engine_state(stats.num_running, stats.num_waiting, stats.kv_blocks_used)
+    def _core_gone(self) -> None:
+        """The core stopped: whatever still waits for it fails."""
+        self._error = self._error or self._stopped
+        for done, _ in self._admissions.values():
+            if not done.done():
+                done.set_exception(RuntimeError(NOT_RUNNING))
+        for done in self._updates.values():
+            if not done.done():
+                done.set_exception(RuntimeError(NOT_RUNNING))
+        self._admissions.clear()
+        self._updates.clear()
+        for group in {id(g): g for g in self._groups.values()}.values():
+            group.queue.put_nowait(Delta(0, [], [], [], error="the engine stopped"))
+        self._groups.clear()
 
 
 class QueueFull(Exception):
@@ -365,10 +308,3 @@ class QueueFull(Exception):
     def __init__(self, queued: int, limit: int) -> None:
         super().__init__(f"the server is busy: {queued} requests are queued (limit {limit}, "
                          "--max-queued-requests); retry later")
-
-
-def _post(group: RequestGroup, delta: Delta) -> None:
-    try:
-        group.loop.call_soon_threadsafe(group.queue.put_nowait, delta)
-    except RuntimeError:  # the event loop is closed: nobody is listening any more
-        pass

@@ -1,0 +1,413 @@
+"""The engine core: the one owner of an ``LLMEngine`` in the server, stepping it in a busy loop.
+
+It takes commands (``AddGroup``, ``Abort``, ``UpdateWeights``, ``Stop``) from an ``Inbox`` and
+hands back one ``CoreOutputs`` per loop turn: admission replies first (before the step, so a
+caller waits for no step to learn its seed or its 400), then every request's new tokens of the
+step, then the turn's statistics for the metrics. The same loop runs in a thread of the server
+process or in a process of its own (samebits.server.engine_process); nothing it sends depends on
+which, and nothing here can change a bit of what the engine computes.
+
+Streamed requests get a ``Delta`` every step they progress; the others one ``Delta`` when they
+finish. Finished requests are offered to the determinism canary, which replays them when the
+engine is idle (samebits.server.canary).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from samebits.engine.engine import LLMEngine
+from samebits.engine.fanout import seed_requests
+from samebits.engine.pooling import PoolingOutput, PoolingSequence
+from samebits.engine.sequence import Sequence, SequenceStatus
+from samebits.outputs import CompletionOutput, PromptLogprobs
+from samebits.pooling_params import PoolingParams
+from samebits.sampling_params import SamplingParams
+from samebits.server.canary import Canary
+
+log = logging.getLogger("samebits.server")
+NOT_RUNNING = "the engine loop is not running"
+
+
+# ---- commands (server -> core) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class AddGroup:
+    """An HTTP request's engine requests, admitted all or nothing (replied with ``Admitted``)."""
+
+    group_id: int
+    request_ids: list[str]
+    prompts: list[list[int]]
+    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
+    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
+    stream: bool  # a Delta every step, not only the last
+    cache_salt: str | None
+    score_only: bool
+    arrival: float  # time.monotonic() at arrival (one clock for every process of the machine)
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]  # finished or unknown ids are ignored
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    call_id: int
+    tensors: list  # (HF name, tensor) pairs
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# ---- what the core hands back (core -> server) ------------------------------------------------
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of one engine request; ``output`` is set on its last delta."""
+
+    index: int  # the request's position in its group
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
+    error: str | None = None  # the engine failed; the request is gone
+    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
+    error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
+    cached_tokens: int = 0  # with ``output``: prompt tokens read from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # with ``output``, when asked for
+
+
+@dataclass(frozen=True)
+class Admitted:
+    group_id: int
+    seeds: list[int] | None  # per request; None when ``error`` refused the group
+    error: Exception | None = None
+    seed: int | None = None  # the request's seed, given or drawn (engine.fanout)
+
+
+@dataclass(frozen=True)
+class WeightsUpdated:
+    call_id: int
+    fingerprint: str | None
+    error: Exception | None = None
+
+
+@dataclass
+class CoreStats:
+    """What the metrics need from one loop turn (counts since the previous turn)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # sequences that progressed, per step
+    prompt_tokens: int = 0  # admitted
+    generation_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)  # engine requests by finish reason
+    ttft: list[float] = field(default_factory=list)  # arrival -> first token, seconds
+    itl: list[float] = field(default_factory=list)  # between two tokens of one request
+    e2e: list[float] = field(default_factory=list)  # arrival -> finish, per engine request
+    dequeued: int = 0  # requests that left the queue (running, finished, refused or aborted)
+    canary_checks: int = 0
+    canary_mismatches: int = 0
+    canary_dropped: int = 0
+    error: str | None = None  # set once a step has failed: the core takes no new work
+
+
+@dataclass
+class CoreOutputs:
+    replies: list[Admitted | WeightsUpdated] = field(default_factory=list)
+    deltas: list[tuple[str, Delta]] = field(default_factory=list)  # (request id, delta)
+    stats: CoreStats = field(default_factory=CoreStats)
+
+    def __bool__(self) -> bool:
+        return bool(self.replies or self.deltas)
+
+
+class Inbox(Protocol):
+    def get(self, block: bool) -> Any:
+        """The next command, or None when none waits (``block``: wait for one)."""
+
+    def pending(self) -> bool:
+        """Whether a command waits."""
+
+
+class _Tally:
+    """The canary's counters, read into each turn's ``CoreStats``."""
+
+    class _Count:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def inc(self, amount: int = 1) -> None:
+            self.value += amount
+
+    def __init__(self) -> None:
+        self.canary_checks, self.canary_mismatches = self._Count(), self._Count()
+        self.canary_dropped = self._Count()
+
+    def take(self, stats: CoreStats) -> None:
+        for name in ("canary_checks", "canary_mismatches", "canary_dropped"):
+            count = getattr(self, name)
+            setattr(stats, name, count.value)
+            count.value = 0
+
+
+@dataclass
+class _Tracked:
+    index: int  # position in its group
+    seq: Sequence
+    stream: bool
+    arrival: float
+    seen: int = 0  # tokens counted in the metrics
+    sent: int = 0  # tokens delivered
+    last_token: float = 0.0
+
+
+class EngineCore:
+    """Steps one engine for the server; every method runs on the core's own thread."""
+
+    def __init__(self, engine: LLMEngine, canary_rate: float = 0.0) -> None:
+        self.engine = engine
+        self._tally = _Tally()
+        self.canary = Canary(canary_rate, self._tally, engine.config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._queued: set[str] = set()  # tracked requests the scheduler has not taken in yet
+        self._update: UpdateWeights | None = None  # a swap waiting for the engine to drain
+        self._held: list[AddGroup] = []  # admissions that arrived while a swap waits
+        self._error: str | None = None
+        self._out = CoreOutputs()
+
+    def run(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
+        """Serve commands until ``Stop`` (or the inbox ends): apply every waiting command, send
+        the replies, step, send the step's outputs. Blocks only when there is nothing to do."""
+        try:
+            while self._apply_commands(inbox, block=not self._has_work()):
+                if self._out:
+                    self._flush(send)  # replies before the step
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self._update is not None:
+                    self._swap_weights()
+                elif self.canary.pending:  # idle: replay one request alone
+                    self.canary.replay(self.engine, busy=inbox.pending)
+                self._flush(send)
+        except BaseException:
+            log.exception("the engine loop failed")
+            raise
+        finally:
+            self._shut_down(inbox, send)
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or self._update is not None or self.canary.pending
+
+    def _flush(self, send: Callable[[CoreOutputs], None]) -> None:
+        out, self._out = self._out, CoreOutputs()
+        stats, engine = out.stats, self.engine.stats()
+        stats.running, stats.waiting = engine.num_running, engine.num_waiting
+        stats.kv_blocks_used, stats.error = engine.kv_blocks_used, self._error
+        self._tally.take(stats)
+        send(out)
+
+    # ---- commands -------------------------------------------------------------------------
+    def _apply_commands(self, inbox: Inbox, block: bool) -> bool:
+        """Apply the waiting commands (waiting for one if ``block``); False on ``Stop``."""
+        cmd = inbox.get(block)
+        while cmd is not None:
+            if isinstance(cmd, Stop):
+                return False
+            if isinstance(cmd, AddGroup):
+                self._admit(cmd)
+            elif isinstance(cmd, Abort):
+                for request_id in cmd.request_ids:
+                    self._abort(request_id)
+            elif isinstance(cmd, UpdateWeights):
+                self._queue_update(cmd)
+            cmd = inbox.get(False)
+        return True
+
+    def _admit(self, cmd: AddGroup) -> None:
+        if self._error is not None:
+            self._refuse(cmd, RuntimeError(self._error))
+        elif self._update is not None:
+            self._held.append(cmd)  # admission is paused until the swap
+        else:
+            self._add(cmd)
+
+    def _add(self, cmd: AddGroup) -> None:
+        seqs: list[Sequence] = []
+        seed, params = None, cmd.params  # pooling requests draw no seed
+        try:
+            if not isinstance(params[0], PoolingParams):
+                seed, params = seed_requests(params, cmd.seed_offsets, self.engine.draw_seed)
+            for rid, ids, p, off in zip(cmd.request_ids, cmd.prompts, params, cmd.seed_offsets,
+                                        strict=True):
+                seqs.append(self.engine.add_request(rid, ids, p, score_only=cmd.score_only,
+                                                    index=off, cache_salt=cmd.cache_salt))
+        except Exception as e:  # all or nothing, as LLM.generate
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            return self._refuse(cmd, e)
+        for i, seq in enumerate(seqs):
+            self._tracked[seq.request_id] = _Tracked(i, seq, cmd.stream, cmd.arrival)
+            self._queued.add(seq.request_id)
+            self._out.stats.prompt_tokens += len(seq.prompt_token_ids)
+        self._out.replies.append(Admitted(cmd.group_id, [s.seed for s in seqs], seed=seed))
+
+    def _refuse(self, cmd: AddGroup, error: Exception) -> None:
+        self._out.stats.dequeued += len(cmd.request_ids)
+        self._out.replies.append(Admitted(cmd.group_id, None, error))
+
+    def _queue_update(self, cmd: UpdateWeights) -> None:
+        if self._update is not None:
+            error = RuntimeError("another weight update is in progress")
+            self._out.replies.append(WeightsUpdated(cmd.call_id, None, error))
+        else:
+            self._update = cmd
+
+    def _swap_weights(self) -> None:
+        """The engine is drained: swap, answer, then admit the requests that were held."""
+        cmd, self._update = self._update, None
+        self.canary.forget(self.engine)
+        try:
+            reply = WeightsUpdated(cmd.call_id, self.engine.update_weights(cmd.tensors))
+        except Exception as e:  # ValueError: a bad tensor, nothing changed
+            reply = WeightsUpdated(cmd.call_id, None, e)
+        self._out.replies.append(reply)
+        held, self._held = self._held, []
+        for add in held:
+            self._add(add)
+
+    def _untrack(self, request_id: str) -> _Tracked | None:
+        if request_id in self._queued:
+            self._queued.discard(request_id)
+            self._out.stats.dequeued += 1
+        return self._tracked.pop(request_id, None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._untrack(request_id) is not None:
+            self.engine.abort(request_id)
+            self._out.stats.finished["abort"] += 1
+
+    # ---- the step -------------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            progressed = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing the requests in flight and taking no "
+                          "new work")
+            self._error = f"an engine step failed ({type(e).__name__}); restart the server"
+            for request_id in list(self._tracked):
+                self._fail(request_id, "internal error in the engine step")
+            return
+        if self.canary.holds_blocks_needed(self.engine):
+            self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
+        if progressed:
+            self._out.stats.batch_sizes.append(len(progressed))
+        self._mark_running()
+        now = time.monotonic()
+        for seq in progressed:
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is not None:
+                self._deliver_alone(seq, tracked, now)
+
+    def _mark_running(self) -> None:
+        """Requests the scheduler has taken in leave the queue count."""
+        started = [rid for rid in self._queued
+                   if self._tracked[rid].seq.status is not SequenceStatus.WAITING]
+        self._queued.difference_update(started)
+        self._out.stats.dequeued += len(started)
+
+    def _deliver_alone(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        """``_deliver``, or the request's own error: a request that failed alone in the step, or
+        whose result cannot be built, fails with its cause; the others are delivered as usual."""
+        if seq.error is not None:
+            status = 400 if seq.error.invalid_request else 500
+            return self._fail(seq.request_id, seq.error.message, status)
+        try:
+            self._deliver(seq, t, now)
+        except Exception as e:
+            log.exception("delivering %s failed", seq.request_id)
+            message = f"building its output failed: {type(e).__name__}"
+            if seq.request_id in self._tracked:
+                self._fail(seq.request_id, message)
+            else:  # it failed after leaving the tracked set: tell its caller all the same
+                self._out.deltas.append((seq.request_id, Delta(t.index, [], [], [],
+                                                               error=message)))
+
+    def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        if isinstance(seq, PoolingSequence):
+            return self._deliver_pooled(seq, t)
+        total, stats = len(seq.output_token_ids), self._out.stats
+        if total > t.seen:
+            stats.generation_tokens += total - t.seen
+            if t.seen == 0:
+                stats.ttft.append(now - t.arrival)
+            else:
+                stats.itl.append(now - t.last_token)
+            t.seen, t.last_token = total, now
+        if seq.is_finished:
+            self._out.deltas.append((seq.request_id, self._last_delta(seq, t)))
+            self._untrack(seq.request_id)
+            self.canary.offer(seq)
+            stats.finished[seq.finish_reason or "unknown"] += 1
+            stats.e2e.append(now - t.arrival)
+        elif t.stream and total > t.sent:
+            s = slice(t.sent, total)
+            t.sent = total
+            self._out.deltas.append((seq.request_id, Delta(
+                t.index, seq.output_token_ids[s], seq.logprobs[s], seq.top_logprobs[s],
+                text=self.engine.output.stream_text(seq))))
+
+    def _last_delta(self, seq: Sequence, t: _Tracked) -> Delta:
+        s = slice(t.sent, len(seq.output_token_ids))
+        output = self.engine.output
+        return Delta(t.index, seq.output_token_ids[s], seq.logprobs[s], seq.top_logprobs[s],
+                     output.completion(seq), text=output.stream_text(seq) if t.stream else "",
+                     cached_tokens=seq.num_cached_tokens,
+                     prompt_logprobs=output.prompt_logprobs(seq))
+
+    def _deliver_pooled(self, seq: PoolingSequence, t: _Tracked) -> None:
+        """A pooling request's one delta: its vector, once computed."""
+        if not seq.is_finished:
+            return
+        self._untrack(seq.request_id)
+        self._out.stats.finished[seq.finish_reason or "unknown"] += 1
+        self._out.deltas.append((seq.request_id, Delta(t.index, [], [], [],
+                                                       PoolingOutput(seq.embedding))))
+
+    def _fail(self, request_id: str, message: str, status: int = 500) -> None:
+        t = self._untrack(request_id)
+        assert t is not None
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # the engine is in a bad state; the request is dropped either way
+            log.exception("abort of %s failed", request_id)
+        self._out.stats.finished["error"] += 1
+        self._out.deltas.append((request_id, Delta(t.index, [], [], [], error=message,
+                                                   error_status=status)))
+
+    def _shut_down(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
+        """Fail what is in flight and what is still queued: no caller waits forever."""
+        self._error = self._error or NOT_RUNNING
+        for request_id in list(self._tracked):
+            self._fail(request_id, "the server is shutting down")
+        pending: list[Any] = self._held + ([self._update] if self._update else [])
+        self._held, self._update = [], None
+        while (cmd := inbox.get(False)) is not None and not isinstance(cmd, Stop):
+            pending.append(cmd)
+        for cmd in pending:
+            if isinstance(cmd, AddGroup):
+                self._refuse(cmd, RuntimeError(NOT_RUNNING))
+            elif isinstance(cmd, UpdateWeights):
+                self._out.replies.append(WeightsUpdated(cmd.call_id, None,
+                                                        RuntimeError(NOT_RUNNING)))
+        try:
+            self._flush(send)
+        except Exception:  # nobody is listening any more
+            log.debug("the engine loop's last outputs were not delivered", exc_info=True)

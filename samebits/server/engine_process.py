@@ -1,0 +1,200 @@
+"""The engine core in a process of its own (vLLM v1's shape), so that the engine's busy loop and
+the HTTP server's event loop never wait for each other's GIL.
+
+``EngineProcess(config)`` spawns the process, which builds the ``LLMEngine`` and answers with what
+the HTTP side needs of it (``EngineInfo``: config, fingerprint, context length, KV blocks, the
+tokenizer); the handle exposes those as attributes, so the app reads them as it would read an
+``LLMEngine``'s. ``start`` begins the core's loop (samebits.server.engine_core) and a reader
+thread that hands each ``CoreOutputs`` to a callback; commands go over the same duplex pipe,
+pickled. Tokenization, chat templates, streaming and JSON stay in the server process.
+
+Lifetime: the process ignores SIGINT and SIGTERM (the server decides when it stops: it drains,
+then sends ``Stop``); it exits when told to or when its pipe closes (the server is gone, even by
+``kill -9``). ``stop`` sends ``Stop``, waits, and kills the process if it does not exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from samebits.config import EngineConfig
+from samebits.engine.grammar import GrammarCompiler
+from samebits.server.engine_core import CoreOutputs, EngineCore, Stop
+from samebits.text.tokenizer import Tokenizer
+
+log = logging.getLogger("samebits.server")
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server process needs of the engine it does not hold."""
+
+    config: EngineConfig
+    fingerprint: str
+    max_model_len: int
+    kv_blocks_total: int
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # the stop ids structured output completes with
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException  # re-raised by the server: the engine could not be built
+    trace: str
+
+
+@dataclass(frozen=True)
+class _Start:
+    canary_rate: float
+
+
+class EngineProcess:
+    """The server's handle on an engine core process (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "warning",
+                 tokenizer: str | None = None) -> None:
+        """``tokenizer``: another tokenizer's directory, model file or id (vLLM's
+        ``--tokenizer``), loaded by the engine process in place of the model's."""
+        context = mp.get_context("spawn")  # CUDA cannot be forked; nothing is inherited
+        self._conn, child = context.Pipe(duplex=True)
+        self._process = context.Process(target=_main, args=(config, child, log_level, tokenizer),
+                                        name="samebits-engine-core")
+        self._process.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        info = self._handshake()
+        self.config, self.fingerprint = info.config, info.fingerprint
+        self.max_model_len, self.kv_blocks_total = info.max_model_len, info.kv_blocks_total
+        self.tokenizer = info.tokenizer
+        self.grammars = (GrammarCompiler(info.tokenizer, info.vocab_size, info.eos_token_ids)
+                         if info.tokenizer is not None else None)
+
+    def _handshake(self) -> EngineInfo:
+        try:
+            reply = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._process.join(STOP_TIMEOUT_S)
+            raise RuntimeError(f"the engine process exited while starting (exit code "
+                               f"{self._process.exitcode})") from None
+        if isinstance(reply, _Failed):
+            self._process.join(STOP_TIMEOUT_S)
+            if not isinstance(reply.error, ValueError):  # a bad model or option speaks for itself
+                log.error("the engine process failed to start:\n%s", reply.trace)
+            raise reply.error
+        return reply
+
+    def start(self, canary_rate: float, deliver: Callable[[CoreOutputs | None], None]) -> None:
+        """Start the core's loop; ``deliver`` gets each ``CoreOutputs`` on a reader thread, then
+        None once the process is gone."""
+        self.send(_Start(canary_rate))
+        self._reader = threading.Thread(target=self._read, args=(deliver,),
+                                        name="samebits-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self, deliver: Callable[[CoreOutputs | None], None]) -> None:
+        try:
+            while True:
+                deliver(pickle.loads(self._conn.recv_bytes()))
+        except (EOFError, OSError):
+            pass
+        finally:
+            deliver(None)
+
+    def send(self, command: Any) -> None:
+        """Send a command (any thread); ``RuntimeError`` once the process is gone."""
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:
+                raise RuntimeError("the engine process is not running") from None
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive() and (self._reader is None or self._reader.is_alive())
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the core (what runs or waits fails), wait for the process, kill it if it hangs."""
+        try:
+            self.send(Stop())
+        except RuntimeError:
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop in %g s; killing it", timeout)
+            self._process.kill()
+            self._process.join()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._conn.close()
+
+
+class _PipeInbox:
+    """The core's commands from the server; a closed pipe reads as ``Stop``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.closed = conn, False
+
+    def get(self, block: bool) -> Any:
+        if self.closed:
+            return Stop()
+        try:
+            if not block and not self.conn.poll(0):
+                return None
+            return pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.closed = True
+            return Stop()
+
+    def pending(self) -> bool:
+        return self.closed or self.conn.poll(0)
+
+
+def _send(conn: Connection, message: Any) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    except OSError:  # the server is gone; the inbox reads Stop next
+        pass
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a RuntimeError with its message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str | None) -> None:
+    """The engine process: build the engine, say so, run the core until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    from samebits.server.launch import engine_with_tokenizer
+    try:
+        engine = engine_with_tokenizer(config, tokenizer)
+    except BaseException as e:
+        return _send(conn, _Failed(_portable(e), traceback.format_exc()))
+    model, tokenizer = engine.loaded.model_config, engine.tokenizer
+    eos = tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids
+    _send(conn, EngineInfo(config, engine.fingerprint, engine.max_model_len,
+                           engine.stats().kv_blocks_total, tokenizer, model.vocab_size,
+                           tuple(sorted(eos))))
+    inbox = _PipeInbox(conn)
+    start = inbox.get(True)
+    if isinstance(start, _Start):
+        EngineCore(engine, start.canary_rate).run(inbox, lambda out: _send(conn, out))
+    conn.close()
