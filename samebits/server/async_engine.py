@@ -158,11 +158,11 @@ class AsyncEngine:
         """Why the engine takes no work (a step failed, or the core stopped); None while it
         does."""
         if self._error is None and self._core is not None and not self._core.alive:
-            return self._stopped
+            return self._stopped_message
         return self._error
 
     @property
-    def _stopped(self) -> str:
+    def _stopped_message(self) -> str:
         where = "thread" if isinstance(self.engine, LLMEngine) else "process"
         return f"the engine {where} stopped"
 
@@ -288,13 +288,13 @@ class AsyncEngine:
 
     def _core_gone(self) -> None:
         """The core stopped: whatever still waits for it fails."""
-        self._error = self._error or self._stopped
+        self._error = self._error or self._stopped_message
         for done, _ in self._admissions.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         for done in self._updates.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         self._admissions.clear()
         self._updates.clear()
         for group in {id(g): g for g in self._groups.values()}.values():

@@ -83,10 +83,10 @@ def test_core_hands_back_the_engines_bits_per_step_when_streamed_else_once(confi
     expected = [offline[0].outputs[0], *offline[1].outputs]
     got = [steps[-1].output, deltas["g1-0-0"][0].output, deltas["g1-0-1"][0].output]
     for g, e in zip(got, expected, strict=True):
-        assert (g.token_ids, g.logprobs, g.top_logprobs, g.seed) == \
-            (e.token_ids, e.logprobs, e.top_logprobs, e.seed)
+        assert (g.token_ids, g.token_logprobs, g.top_logprobs, g.seed) == \
+            (e.token_ids, e.token_logprobs, e.top_logprobs, e.seed)
     assert [t for d in steps for t in d.token_ids] == got[0].token_ids
-    assert [x for d in steps for x in d.logprobs] == got[0].logprobs
+    assert [x for d in steps for x in d.logprobs] == got[0].token_logprobs
     stats = [o.stats for o in outs]
     assert sum(s.dequeued for s in stats) == 3
     assert sum(s.generation_tokens for s in stats) == 6 + 5 + 5
