@@ -22,6 +22,7 @@ import re
 import torch
 
 from samebits import LLM, SamplingParams
+from samebits.tools.verify import plot_file
 from samebits.train import TrainableLM
 
 
@@ -51,7 +52,7 @@ def grpo_step(llm: LLM, tl: TrainableLM, opt: torch.optim.Optimizer, step: int,
     adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     trainer = tl.logprobs(seqs, [len(o.prompt_token_ids) for o in outs])
-    sampler = [torch.tensor(o.outputs[0].logprobs) for o in outs]
+    sampler = [torch.tensor(o.outputs[0].token_logprobs) for o in outs]
     diff = torch.cat([t.detach() - s for t, s in zip(trainer, sampler, strict=True)]).double()
     kl = float((torch.exp(diff) - diff - 1).mean())  # k3 estimate of KL(sampler || trainer), fp64
     # GRPO surrogate: ratio exp(trainer - sampler) (exactly 1 when on-policy) times the advantage
@@ -104,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-blocks", type=int, default=64, help="KV cache blocks of the engine")
     p.add_argument("--standard", action="store_true", help="stock kernels: the KL is not 0")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="reward and KL per step")
+    p.add_argument("--plot", default=None, metavar="OUT.png", type=plot_file,
+                   help="reward and KL per step (matplotlib; checked before the run)")
     return p.parse_args(argv)
 
 

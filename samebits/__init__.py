@@ -10,23 +10,34 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "GuidedDecodingParams", "Logprob",
+           "PoolingRequestOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
            "batch_invariant"]
 
 _LAZY = {
     "LLM": "samebits.llm",
-    "CompletionOutput": "samebits.engine.sequence",
-    "RequestOutput": "samebits.engine.sequence",
+    "CompletionOutput": "samebits.outputs",
+    "EmbeddingRequestOutput": "samebits.outputs",
+    "Logprob": "samebits.outputs",
+    "PoolingRequestOutput": "samebits.outputs",
+    "RequestOutput": "samebits.outputs",
     "SamplingParams": "samebits.sampling_params",
+    "GuidedDecodingParams": "samebits.sampling_params",
     "StructuredOutputsParams": "samebits.structured_outputs",
-    "batch_invariant": "samebits.ops.override",
+    "batch_invariant": "samebits.models.hf_route",
 }
 
 if TYPE_CHECKING:
-    from samebits.engine.sequence import CompletionOutput, RequestOutput
     from samebits.llm import LLM
-    from samebits.ops.override import batch_invariant
-    from samebits.sampling_params import SamplingParams
+    from samebits.models.hf_route import batch_invariant
+    from samebits.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from samebits.sampling_params import GuidedDecodingParams, SamplingParams
     from samebits.structured_outputs import StructuredOutputsParams
 
 

@@ -14,6 +14,7 @@ import sys
 from tqdm import tqdm
 
 from samebits.config import EngineConfig, ModelFormatError
+from samebits.server import limits as server_limits
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
@@ -58,16 +59,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     mode = "invariant" if llm.config.batch_invariant else "standard"
     print(f"{result.requests - result.to_json()['differing']} of {args.n} sampled answers bitwise "
           f"equal alone and batched ({mode} numerics)", file=sys.stderr)
-    if args.plot:
-        plot([result], args.plot, f"samebits verify (local, {llm.fingerprint})")
     ok = report([result], prompts=args.n, bitwise_equal=result.requests - result.to_json()[
         "differing"], batch_invariant=llm.config.batch_invariant,
         system_fingerprint=llm.fingerprint)
+    if args.plot:  # after the results are printed
+        plot([result], args.plot, f"samebits verify (local, {llm.fingerprint})")
     return 0 if ok else 1
 
 
 def _pairs(out) -> list[tuple[int, float]]:
-    return list(zip(out.token_ids, out.logprobs, strict=True))
+    return list(zip(out.token_ids, out.token_logprobs, strict=True))
 
 
 def _verify_url(args: argparse.Namespace) -> int:
@@ -82,9 +83,10 @@ def _verify_url(args: argparse.Namespace) -> int:
     except (openai.OpenAIError, RuntimeError) as e:
         print(f"samebits: error: audit of {args.url} failed: {e}", file=sys.stderr)
         return 2
-    if args.plot:
+    ok = report(results, url=args.url, model=model)
+    if args.plot:  # after the results are printed
         plot(results, args.plot, f"samebits verify --url {args.url} ({model})")
-    return 0 if report(results, url=args.url, model=model) else 1
+    return 0 if ok else 1
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -122,6 +124,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "time, comparing output hashes (0 turns it off)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="server log level")
+    server_limits.add_cli_args(p)
 
 
 def _vllm_args(p: argparse.ArgumentParser) -> None:
@@ -231,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "of a local engine (--model then names the served model; None: the first "
                      "listed)")
     ver.add_argument("--api-key", default=None, help="with --url: the server's API key")
-    ver.add_argument("--plot", default=None, metavar="FILE",
+    from samebits.tools.verify import plot_file
+    ver.add_argument("--plot", default=None, metavar="FILE", type=plot_file,
                      help="save a plot of the first divergent token per request (matplotlib)")
     EngineConfig.add_cli_args(ver)
     ver.set_defaults(func=cmd_verify, parser=ver)

@@ -19,6 +19,11 @@ from samebits.models.registry import is_decoder
 
 
 class DecoderEmbedder(Embedder):
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        """``engine``: the generation engine of the same model to pool from (else its own)."""
+        self.engine = engine
+        super().__init__(config)
+
     def _build(self) -> str:
         """The decoder runs in an engine of its own; the vector is its final-norm hidden state."""
         self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
@@ -28,7 +33,8 @@ class DecoderEmbedder(Embedder):
         if self.pooling not in ("lasttoken", "cls"):
             raise ModelFormatError(f"{self.model_dir}: pooling {self.pooling!r} is not supported "
                                    "for decoder models; use lasttoken (or cls)")
-        self.engine = LLMEngine(dataclasses.replace(self.config, task="generate"))
+        if self.engine is None:
+            self.engine = LLMEngine(dataclasses.replace(self.config, task="generate"))
         self.max_len = self.engine.max_model_len
         return self.engine.fingerprint + f"-{self.pooling}{'-l2' if self.normalize else ''}"
 

@@ -2,28 +2,31 @@
 
 The sampling controls (``logit_bias``, the three penalties, ``min_tokens``) change which token is
 *chosen*, never the reported logprobs: those stay the log_softmax of the model's raw fp32 logits
-(see ``samebits.engine.logits_processor``).
+(see ``samebits.engine.logits_processor``). Fields have vLLM's names, defaults and meaning; the
+ranges of every field are checked here and only here (the server maps these errors to 400s).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 from samebits.structured_outputs import StructuredOutputsParams
 
-SEED_MODULUS = 2**63  # seeds live in [0, 2**63 - 1]
+SEED_MODULUS = 2**63  # seeds live in [0, 2**63 - 1]; choice seeds wrap (samebits.engine.fanout)
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name for the same constraint
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the end of the context (max_model_len)
     temperature: float = 1.0  # 0: greedy (ties go to the lowest token id)
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
-    seed: int | None = None  # None: one is drawn; choice i uses choice_seed(seed, i)
+    seed: int | None = None  # None: one is drawn; choice i uses seed + i (engine.fanout)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -39,23 +42,25 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, HF/vLLM: on prompt + generated tokens
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (grammar.py)
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: the same field
+    # the text: a stop string (or stop token's text) stays at the end of ``text`` when True
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # special tokens are left out of ``text``
+    # as in vLLM with a fast tokenizer (every samebits tokenizer is one): no effect on the text
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: ``text`` stays "" (no stop strings then)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     # vLLM's per-request masks (samebits.engine.logits_processor): only these token ids may be
     # sampled; no output may complete one of these words (each tokenized as at the start and as
     # in the middle of a text); bad_words_token_ids: their token ids (the engine fills them in)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
-    # vLLM's output options: keep the stop string (or stop token's text) in the text; decode
-    # special tokens; put spaces between them; keep only the last k prompt tokens (-1: as many as
-    # the context holds)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer or None, got "
+                             f"{self.max_tokens!r}")
         _number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -80,15 +85,13 @@ class SamplingParams:
         self._check_choices()
         self._check_stops()
         self._check_controls()
+        self._check_text()
         self._check_masks()
+        self._alias_guided_decoding()
 
     def _check_choices(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        self._check_stops()
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
-                                                                  StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
 
@@ -125,9 +128,41 @@ class SamplingParams:
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be > 0 and finite, "
                              f"got {self.repetition_penalty}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        top = math.inf if self.max_tokens is None else self.max_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= top:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], "
                              f"got {self.min_tokens!r}")
+
+    def _check_text(self) -> None:
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError("stop strings need the text: detokenize=False cannot be combined "
+                             "with stop")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the model's context) or a "
+                             f"positive integer, got {k!r}")
+
+    def _alias_guided_decoding(self) -> None:
+        """``guided_decoding`` and ``structured_outputs`` name one field: either may be given
+        (both only if equal), and afterwards both hold it."""
+        given = [v for v in (self.structured_outputs, self.guided_decoding) if v is not None]
+        if any(not isinstance(v, StructuredOutputsParams) for v in given):
+            raise ValueError("structured_outputs (guided_decoding) must be a "
+                             "StructuredOutputsParams")
+        if len(given) == 2 and given[0] != given[1]:
+            raise ValueError("structured_outputs and guided_decoding are one field (vLLM's new "
+                             "and old name); give one of them")
+        if given:
+            object.__setattr__(self, "structured_outputs", given[0])
+            object.__setattr__(self, "guided_decoding", given[0])
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
 
     def _check_masks(self) -> None:
         allowed = self.allowed_token_ids
@@ -143,14 +178,6 @@ class SamplingParams:
         if ids is not None and not all(isinstance(w, list | tuple) and w
                                        and all(_is_int(t) and t >= 0 for t in w) for w in ids):
             raise ValueError("bad_words_token_ids must be lists of token ids (integers >= 0)")
-        for name in ("include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an "
-                             f"integer >= 1, got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -171,12 +198,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice ``index`` of a request seeded ``seed``: ``seed + index``, wrapped so it
-    stays in [0, 2**63 - 1]."""
-    return (seed + index) % SEED_MODULUS
 
 
 def _number(name: str, value: object) -> None:

@@ -1,30 +1,38 @@
 """The engine: requests in, one step at a time, outputs out.
 
 A step reads like prose: schedule -> run -> postprocess. Nothing in a step may change a request's
-bits; that is the ops' job (samebits.ops.backend) and the sampler's (counter-based streams).
+bits; that is the ops' job (samebits.ops.backend) and the sampler's (counter-based streams). The
+engine keeps token ids and fp32 logprobs; ``output`` (samebits.engine.output_processor) turns
+sequences into what callers read.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import random
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from samebits.config import EngineConfig
+from samebits.engine.context_length import check_context_length
+from samebits.engine.executor import start_runner
+from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.logits_processor import with_bad_words_token_ids
-from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
+from samebits.engine.output_processor import OutputProcessor
+from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
-from samebits.engine.sequence import CompletionOutput, Logprob, PromptLogprobs, Sequence
-from samebits.loader import LoadedModel, load
+from samebits.engine.sequence import Sequence
+from samebits.loader import LoadedModel, numerics_fingerprint, updated_digest
+from samebits.log import get_logger
 from samebits.models.weights import update_weights
+from samebits.outputs import RequestMetrics
 from samebits.sampling_params import SamplingParams
-from samebits.text.detokenizer import IncrementalDetokenizer
+
+log = get_logger("engine")
 
 
 @dataclass(frozen=True)
@@ -40,27 +48,28 @@ class EngineStats:
 
 class LLMEngine:
     """The engine's interface: ``add_request``, ``abort``, ``step`` (the sequences that made
-    progress; finished ones are forgotten by the engine once returned), ``completion`` (a
-    sequence's ``CompletionOutput``), ``prompt_logprobs``, ``has_unfinished``, ``stats``,
-    ``update_weights``, and for pausing a request mid-way ``park`` / ``unpark`` /
-    ``parked_blocks_needed`` / ``prefix_cache_bypassed``. Not thread-safe: one thread drives it."""
+    progress; finished ones are forgotten by the engine once returned), ``output`` (the
+    ``OutputProcessor`` that turns a sequence into a ``CompletionOutput`` and its prompt
+    logprobs), ``has_unfinished``, ``stats``, ``update_weights``, ``sleep`` / ``wake_up``, and for
+    pausing a request mid-way ``park`` / ``unpark`` / ``parked_blocks_needed``. Not thread-safe:
+    one thread drives it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load(config)
+        self.runner = start_runner(config, loaded)  # and ranks 1..N-1 under tensor parallel
+        self.loaded = self.runner.loaded
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
         self.max_model_len = self.loaded.max_model_len
-        self.runner = ModelRunner(self.loaded, config)
-        if config.tensor_parallel_size > 1:
-            from samebits.distributed import enable_tensor_parallel
-            enable_tensor_parallel(self.runner, self.loaded, config)
+        self.output = OutputProcessor(self.tokenizer)
+        self.asleep: set[str] = set()  # what sleep() released: "kv_cache", "weights"
+        if self.runner.device.type == "cpu" and config.batch_invariant:
+            prepare_cpu_kernels()  # before the first request, so it runs at warm speed
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
                                    config.prefill_chunk_tokens)
         self.requests: dict[str, Sequence] = {}
-        self._parked: dict[str, bool] = {}  # parked request id -> it was running (holds blocks)
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
@@ -84,24 +93,30 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    score_only: bool = False, index: int = 0, cache_salt: str | None = None
-                    ) -> Sequence:
+                    score_only: bool = False, index: int = 0, cache_salt: str | None = None,
+                    bypass_prefix_cache: bool = False) -> Sequence:
         """Validate and queue a request (choice ``index`` of its prompt); a bad one raises
         ``ValueError`` and changes nothing. Without a seed, one is drawn (``draw_seed``).
         ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
-        (None is a salt of its own); it never changes the bits, only what may be reused."""
+        (None is a salt of its own); it never changes the bits, only what may be reused.
+        ``bypass_prefix_cache``: the request neither reads nor fills the prefix cache."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_awake()
+        prompt_token_ids = self._truncated(prompt_token_ids, params)
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
+        if params.max_tokens is None:  # up to the end of the context
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         params = with_bad_words_token_ids(params, self.tokenizer)
         self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
-        seed = params.seed if params.seed is not None else self.draw_seed()
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, score_only=score_only,
-                       index=index, stop_ids=self._stop_ids(params), grammar=grammar,
-                       cache_salt=cache_salt)
-        if params.stop_strings and self.tokenizer is not None and not score_only:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       request_seed(params, self.draw_seed), score_only=score_only, index=index,
+                       stop_ids=self._stop_ids(params), grammar=grammar, cache_salt=cache_salt,
+                       bypass_prefix_cache=bypass_prefix_cache,
+                       metrics=RequestMetrics(arrival_time=time.time()))
+        if not score_only:
+            seq.detokenizer = self.output.text_for(params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -116,6 +131,18 @@ class LLMEngine:
             return self.grammars.state(params.structured_outputs)
         except ValueError as e:
             raise ValueError(f"structured_outputs: {e}") from None
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self.asleep))} "
+                               "released): call wake_up() first")
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return list(ids[-(self.max_model_len if k == -1 else k):])
 
     def draw_seed(self) -> int:
         """A seed for a request that gave none (from the engine's ``seed``), in [0, 2**63)."""
@@ -136,16 +163,15 @@ class LLMEngine:
                 raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
                                  f"[0, {vocab})")
 
-    def _check_prompt(self, ids: list[int], max_tokens: int) -> None:
+    def _check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.loaded.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len and max_tokens > 0:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is "
-                             f"{self.max_model_len} (max_model_len), leaving no room to generate")
-        total = min(len(ids) + max_tokens, self.max_model_len)
+        check_context_length(len(ids), max_tokens, self.max_model_len)
+        wanted = self.max_model_len if max_tokens is None else len(ids) + max_tokens
+        total = min(wanted, self.max_model_len)
         capacity = self.runner.num_blocks * self.config.block_size
         if total > capacity:
             raise ValueError(f"prompt + max_tokens needs {total} KV slots; the KV cache holds "
@@ -153,42 +179,23 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Finish the request (parked or not) and free its KV blocks; unknown ids are ignored."""
-        if request_id in self._parked:
-            self.unpark(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+            _mark_finished(seq)
 
     # ---- parked requests (the server's determinism canary pauses its replays) ---------------
     def park(self, request_id: str) -> None:
         """Take an unfinished request out of scheduling, keeping its progress and KV blocks:
-        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` (back to the
-        queue it left, running or waiting) or ``abort``."""
-        seq, sched = self.requests[request_id], self.scheduler
-        running = seq in sched.running
-        (sched.running if running else sched.waiting).remove(seq)
-        self._parked[request_id] = running
+        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` or ``abort``."""
+        self.scheduler.pause(self.requests[request_id])
 
     def unpark(self, request_id: str) -> None:
-        running = self._parked.pop(request_id)
-        (self.scheduler.running if running else self.scheduler.waiting).append(
-            self.requests[request_id])
+        self.scheduler.resume(self.requests[request_id])
 
     def parked_blocks_needed(self) -> bool:
-        """Whether parked requests hold KV blocks the queue waits for: one was parked running
-        (it holds blocks), nothing runs, and requests wait."""
-        sched = self.scheduler
-        return any(self._parked.values()) and not sched.running and bool(sched.waiting)
-
-    @contextlib.contextmanager
-    def prefix_cache_bypassed(self) -> Iterator[None]:
-        """Steps inside neither read nor fill the prefix cache (a replay computes everything)."""
-        saved = self.kv.enable_prefix_caching
-        self.kv.enable_prefix_caching = False
-        try:
-            yield
-        finally:
-            self.kv.enable_prefix_caching = saved
+        """Whether parked requests hold KV blocks the queue waits for."""
+        return self.scheduler.paused_blocks_needed()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -211,43 +218,63 @@ class LLMEngine:
         return progressed
 
     def postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        spans = iter(result.scored)
+        spans, now = iter(result.scored), time.time()
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.metrics is not None and seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
             if seq.wants_prompt_logprobs:
                 _store_prompt_logprobs(seq, next(spans))
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             if seq.score_only and seq.num_computed_tokens == seq.num_tokens:
                 self.scheduler.finish(seq, "length")
-        for seq, token, logprob, top in zip(result.sampled, result.tokens, result.logprobs,
-                                            result.top_logprobs, strict=True):
-            self._append_token(seq, token, logprob, top)
+                _mark_finished(seq, now)
+        ranks = result.ranks or [None] * len(result.tokens)
+        for seq, token, logprob, top, rank in zip(result.sampled, result.tokens, result.logprobs,
+                                                  result.top_logprobs, ranks, strict=True):
+            self._append_token(seq, token, logprob, top, rank, now)
         return [s for s in batch.seqs if s.score_only or s.is_finished] + [
             s for s in result.sampled if not s.is_finished]
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float,
-                      top: dict[int, float]) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
+                      rank: int | None = None, now: float | None = None) -> None:
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         if seq.grammar is not None:
             seq.grammar.accept(token)
         if seq.params.logprobs is not None:
             seq.top_logprobs.append(top)
+            seq.ranks.append(rank)
+        if seq.metrics is not None:
+            now = time.time() if now is None else now
+            seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            seq.metrics.last_token_time = now
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            _mark_finished(seq, now)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p, n = seq.params, len(seq.output_token_ids)
+        """Why the sequence ends with ``token`` (None: it goes on); sets ``stop_reason`` and
+        feeds the token to the sequence's ``OutputText`` (a stop token only with
+        ``include_stop_str_in_output``, as vLLM), searched for stop strings from
+        ``min_tokens`` on."""
+        p, n, text = seq.params, len(seq.output_token_ids), seq.detokenizer
         if token in seq.stop_ids and n > p.min_tokens:  # sampling masks them before min_tokens
+            eos = token in self._eos and not p.ignore_eos
+            seq.stop_reason = None if eos else token
+            if text is not None and p.include_stop_str_in_output:
+                text.push(token)
             return "stop"
+        new = 0
+        if text is not None:
+            text.push(token)
+            new = text.drain() if text.has_stops else 0  # else detokenized when read
         if seq.grammar is not None and seq.grammar.terminated:  # a complete output, then a stop token
             return "stop"
-        if seq.detokenizer is not None:
-            new = seq.detokenizer.push(token)
-            cut = seq.detokenizer.find_stop(len(new)) if n >= p.min_tokens else None
-            if cut is not None:
-                seq.text = seq.detokenizer.text[:cut]
+        if new and n >= p.min_tokens:
+            seq.stop_reason = text.find_stop(new)
+            if seq.stop_reason is not None:
                 return "stop"
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -257,6 +284,7 @@ class LLMEngine:
                       ) -> torch.Tensor:
         """Final-norm hidden states [n, H] at every position of one prompt, computed in one pass
         or in prefill chunks of the given sizes."""
+        self._check_awake()
         self._check_prompt(token_ids, 0)
         seq = Sequence("prompt-hidden", list(token_ids), SamplingParams(), 0, score_only=True)
         hidden = []
@@ -273,7 +301,7 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
         with torch.inference_mode():
-            return self.runner.model.compute_logits(self.prompt_hidden(token_ids))
+            return self.runner.compute_logits(self.prompt_hidden(token_ids))
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors) -> str:
@@ -285,60 +313,83 @@ class LLMEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("update_weights: requests are in flight; drain the engine first")
-        model = self.loaded.model  # the full model (under tensor parallel: rank 0's)
+        model = self.loaded.model  # this rank's (under tensor parallel: rank 0's shard)
         items = update_weights(model, named_tensors)
-        h = hashlib.sha256(self.fingerprint.encode())
-        for name, tensor in sorted(items, key=lambda it: it[0]):
-            h.update(name.encode())
-            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        self.fingerprint = self.loaded.fingerprint = "fp_" + h.hexdigest()[:16]
+        self.loaded.weights_digest = updated_digest(self.loaded.weights_digest, items)
+        self.fingerprint = self.loaded.fingerprint = numerics_fingerprint(
+            self.config, self.loaded.model_config, model.ops, self.loaded.weights_digest)
         hook = getattr(model.ops, "weights_updated", None)
-        if hook is not None:  # a backend that keeps repacked weights refreshes them
+        if hook is not None and "weights" not in self.asleep:  # else refreshed at wake-up
             hook(model)
-        shards = getattr(self.runner.model, "weights_updated", None)
-        if shards is not None:  # tensor parallel: every rank updates and re-shards
-            shards(items)
+        self.runner.weights_updated(items)  # tensor parallel: every other rank loads its part
         self.kv.set_fingerprint(self.fingerprint)
         self.runner.discard_ahead()  # launched with the old weights
         return self.fingerprint
 
-    # ---- outputs --------------------------------------------------------------------------
-    def completion(self, seq: Sequence, index: int | None = None) -> CompletionOutput:
-        """One sequence's result: choice ``seq.index``, or ``index`` when given (best_of
-        renumbers the chosen candidates)."""
-        text = seq.text
-        if text is None and self.tokenizer is not None:
-            ids = seq.output_token_ids
-            if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids:
-                ids = ids[:-1]  # as vLLM: the token that stopped it is not in the text
-            text = self.tokenizer.decode(ids)
-        return CompletionOutput(seq.index if index is None else index, text or "",
-                                list(seq.output_token_ids), list(seq.logprobs),
-                                list(seq.top_logprobs), float(sum(seq.logprobs)),
-                                seq.finish_reason, seq.seed)
+    # ---- sleep mode (colocated RL: the trainer gets the memory between rollouts) -------------
+    def sleep(self, level: int = 1) -> None:
+        """While idle, free device memory: level 1 the KV cache (and the CUDA graphs that read
+        it), level 2 also the weights (moved to host memory). Cached prefixes are forgotten.
+        ``wake_up`` brings both back; outputs are then bitwise those of before, and weights
+        updated while asleep (``update_weights`` writes the host copy) give what a fresh engine
+        with those weights gives."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), "
+                             f"got {level!r}")
+        if self.has_unfinished():
+            raise RuntimeError("sleep: requests are in flight; let them finish first")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("sleep mode needs tensor_parallel_size=1")
+        released = {"kv_cache"} | ({"weights"} if level == 2 else set())
+        if released <= self.asleep:
+            return
+        self.runner.sleep(offload_weights="weights" in released - self.asleep)
+        self.kv.set_fingerprint(self.fingerprint)  # the blocks' contents are gone
+        self.asleep |= released
 
-    def prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
-        """vLLM's shape: None, then per prompt token {token id: Logprob}, the token itself first,
-        then the top-k of its position (ranks 1..k; as vLLM, a top-k entry for the token itself
-        replaces its own entry, keeping its place first)."""
-        if seq.params.prompt_logprobs is None:
-            return None
-        out: PromptLogprobs = [None]
-        for i, (lp, rank) in enumerate(zip(seq.prompt_logprobs, seq.prompt_ranks, strict=True)):
-            token = seq.prompt_token_ids[i + 1]
-            entry = {token: Logprob(lp, rank, self._token_text(token))}
-            for r, (tid, v) in enumerate(seq.prompt_top[i].items(), start=1):
-                entry[tid] = Logprob(v, r, self._token_text(tid))
-            out.append(entry)
-        return out
-
-    def _token_text(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` "weights" and/or "kv_cache" (None: both;
+        vLLM's RL pattern wakes the weights, updates them, then wakes the KV cache). The KV
+        cache's CUDA graphs are captured anew, so the weights must be back first."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if wanted - {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {sorted(wanted)}")
+        weights, kv = "weights" in wanted & self.asleep, "kv_cache" in wanted & self.asleep
+        if kv and "weights" in self.asleep and not weights:
+            raise ValueError("wake_up(['kv_cache']) needs the weights awake first (the CUDA "
+                             "graphs read them): wake_up(['weights']) or wake_up()")
+        self.runner.wake_up(weights, kv)
+        hook = getattr(self.loaded.model.ops, "weights_updated", None)
+        if weights and hook is not None:  # the weights moved: no stale repacked copy is used
+            hook(self.loaded.model)
+        self.asleep -= {t for t, woke in (("weights", weights), ("kv_cache", kv)) if woke}
 
     def run_to_completion(self) -> Iterator[Sequence]:
         """Step until idle, yielding each sequence as it finishes."""
         while self.has_unfinished():
             yield from (seq for seq in self.step() if seq.is_finished)
+
+
+def _mark_finished(seq: Sequence, now: float | None = None) -> None:
+    if seq.metrics is not None:
+        seq.metrics.finished_time = time.time() if now is None else now
+
+
+def prepare_cpu_kernels() -> None:
+    """Build (first run: g++, some 20 s) or load (cached: milliseconds) the invariant CPU kernels,
+    once per process, saying so with the time it took."""
+    global _cpu_kernels_ready
+    if _cpu_kernels_ready:
+        return
+    from samebits.ops import cpu_kernels
+    start = time.perf_counter()
+    log.info("loading the invariant CPU kernels (built with g++ on the first run, then cached)")
+    cpu_kernels.load()
+    log.info("invariant CPU kernels ready in %.1f s", time.perf_counter() - start)
+    _cpu_kernels_ready = True
+
+
+_cpu_kernels_ready = False
 
 
 def _store_prompt_logprobs(seq: Sequence, span: ScoredSpan) -> None:

@@ -1,6 +1,7 @@
 """Turn an ``EngineConfig`` into a loaded decoder: resolve the model (embedded default, GGUF file,
-HF directory, or a config.json for dummy weights), build it on the device, load the weights, and
-derive the numerics fingerprint."""
+HF directory, or a config.json for dummy weights), build this rank's shard of it on its device,
+load its part of the weights (safetensors slices: nothing else is read), and derive the numerics
+fingerprint."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from tqdm import tqdm
 
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
-from samebits.loader import dummy, hf
+from samebits.distributed.group import TPGroup
+from samebits.loader import dummy, hf, hub
+from samebits.models import registry
 from samebits.models.llama import LlamaForCausalLM
-from samebits.models.registry import model_class
 from samebits.ops.backend import get_backend
 from samebits.text.tokenizer import Tokenizer
 
@@ -29,6 +31,7 @@ class LoadedModel:
     model_dir: Path
     max_model_len: int
     fingerprint: str  # weights digest + dtype + engine version + kernel config
+    weights_digest: str = ""  # what ``fingerprint`` was derived from (numerics_fingerprint)
 
 
 def resolve_model_dir(spec: str | None) -> Path:
@@ -42,50 +45,73 @@ def resolve_model_dir(spec: str | None) -> Path:
         return gguf.convert_gguf(path)
     if path.is_file() and path.suffix == ".json":
         return path.parent
+    if not path.exists() and hub.is_repo_id(spec):  # "org/name": the Hugging Face cache
+        return hub.resolve(spec)
     hf.check_model_dir(path)
     if path.is_file():
         raise ModelFormatError(f"{path}: expected a model directory or a .gguf file")
     return path
 
 
-def load(config: EngineConfig) -> LoadedModel:
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: ``cuda:rank`` under CUDA tensor parallel,
+    else the configured device."""
+    device = config.torch_device
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
+        return torch.device("cuda", rank)
+    return device
+
+
+def load(config: EngineConfig, group: TPGroup | None = None) -> LoadedModel:
+    """This rank's model (``group``: its rank of ``config.tensor_parallel_size``; rank 0 of one
+    by default)."""
+    group = group or TPGroup(0, 1, rank_device(config, 0))
     model_dir = resolve_model_dir(config.model)
     config_file = model_dir / "config.json"
     if config.model and config.model.endswith(".json"):  # a config file of any name (dummy)
         config_file = Path(config.model).expanduser()
     raw_cfg = read_json(config_file)
-    model_config = ModelConfig.from_dict(raw_cfg, str(config_file))
+    model_config = registry.model_config(raw_cfg, str(config_file))
     limit = model_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} is over the model's limit of "
                          f"{limit} tokens (max_position_embeddings in {config_file})")
     max_len = config.max_model_len or limit
-    device, dtype = config.torch_device, config.torch_dtype
+    device, dtype = group.device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
-    model = build_model(model_config, ops, max_len, device, dtype)
+    model = build_model(model_config, ops, max_len, device, dtype, group)
     if config.load_format == "dummy":
         dummy.init_dummy_weights(model, config.seed)
         digest = dummy.dummy_digest(raw_cfg, config.seed)
     else:
         files = hf.safetensors_files(model_dir)
-        weights = tqdm(hf.iter_safetensors(files), desc="loading weights", unit="tensor",
-                       total=hf.count_tensors(files), leave=False)
-        model.load_weights((n, t.to(dtype)) for n, t in weights)
+        weights = tqdm(hf.iter_safetensors_slices(files), desc="loading weights",
+                       unit="tensor", total=hf.count_tensors(files), leave=False,
+                       disable=group.rank > 0)
+        model.load_weights(weights)
         digest = hf.weights_digest(files)
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
     return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
-                       fingerprint(digest, dtype, config, ops.name, model_config,
-                                   ops.row_parallel_segments or config.tensor_parallel_size > 1))
+                       numerics_fingerprint(config, model_config, ops, digest), digest)
+
+
+def numerics_fingerprint(config: EngineConfig, model_config: ModelConfig, ops, digest: str
+                         ) -> str:
+    """A decoder's fingerprint from its weights digest: at load, and after an in-place update."""
+    return fingerprint(digest, config.torch_dtype, config, ops.name, model_config,
+                       ops.row_parallel_segments or config.tensor_parallel_size > 1)
 
 
 def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
-                dtype: torch.dtype) -> LlamaForCausalLM:
-    """The registry's class for the architecture, parameters uninitialised on ``device``."""
+                dtype: torch.dtype, group: TPGroup | None = None) -> LlamaForCausalLM:
+    """The registry's class for the architecture, this rank's parameters (``group``; the whole
+    model by default) uninitialised on ``device``."""
     default_dtype = torch.get_default_dtype()
     try:  # parameters in the target dtype; the rope tables are built in explicit fp32
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            return model_class(model_config.architecture)(model_config, ops, max_len)
+            return registry.model_class(model_config.architecture)(model_config, ops, max_len,
+                                                          group or TPGroup(0, 1, device))
     finally:
         torch.set_default_dtype(default_dtype)
 
@@ -104,3 +130,13 @@ def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: 
         if not config.batch_invariant:
             parts.append(f"tp={config.tensor_parallel_size}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def updated_digest(digest: str, items: list[tuple[str, torch.Tensor]]) -> str:
+    """The weights digest after an in-place update: the old digest chained with every updated
+    (name, tensor bytes), in name order."""
+    h = hashlib.sha256(digest.encode())
+    for name, tensor in sorted(items, key=lambda it: it[0]):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

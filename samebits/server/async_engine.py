@@ -14,11 +14,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from samebits.engine.engine import LLMEngine
-from samebits.engine.sequence import CompletionOutput, Sequence, SequenceStatus
-from samebits.sampling_params import SamplingParams, choice_seed
+from samebits.engine.fanout import seed_requests
+from samebits.engine.sequence import Sequence, SequenceStatus
+from samebits.outputs import CompletionOutput
+from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 
@@ -35,21 +37,23 @@ class Delta:
     top_logprobs: list[dict[int, float]]
     output: CompletionOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
+    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
 
 
 @dataclass
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]
-    seed_offsets: list[int]  # candidate index; unseeded, request i gets choice_seed(drawn, this)
+    params: list[SamplingParams]  # the request's, unseeded per candidate
+    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     score_only: bool = False  # teacher-forced prompt logprobs, nothing generated (max_tokens 0)
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    seeds: list[int] = field(default_factory=list)  # filled in at admission
+    seed: int | None = None  # the request's seed, given or drawn at admission (engine.fanout)
+    seeds: list[int] = field(default_factory=list)  # per request, filled in at admission
     cached_tokens: list[int] = field(default_factory=list)  # per request, set when it finishes
     prompt_logprobs: list = field(default_factory=list)  # per request (PromptLogprobs | None), same
 
@@ -99,6 +103,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._error: str | None = None  # set when a step fails (see ``error``)
         self._update: _UpdateWeights | None = None  # engine thread only: a swap waiting to drain
         self._held: list[_Add] = []  # requests that arrived while it waits (admitted after)
         metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
@@ -109,21 +114,30 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
+        """Stop the thread (what runs or waits fails); safe to call twice, from any thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._commands.put(_STOP)
-            self._thread.join(timeout)
-            self._thread = None
+            thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def error(self) -> str | None:
+        """Why the engine cannot step (its thread died, or a step failed: its state is unknown,
+        so it takes no new work until the server restarts); None while it can."""
+        if self._error is None and self._thread is not None and not self._thread.is_alive():
+            return "the engine thread stopped"
+        return self._error
+
     async def submit(self, group: RequestGroup) -> None:
         """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid and
         ``QueueFull`` past ``max_queued_requests`` (a group is admitted whole into an empty
         queue, so any group can run)."""
-        if self._stopped or not self.alive:
-            raise RuntimeError("the engine loop is not running")
+        if self._stopped or not self.alive or self._error is not None:
+            raise RuntimeError(self.error or "the engine loop is not running")
         self._reserve(len(group.request_ids))
         done: Future = Future()
         self._commands.put(_Add(group, done))
@@ -137,8 +151,8 @@ class AsyncEngine:
         """Swap weights between requests: admission pauses, the requests in flight finish on the
         old weights, the engine swaps, admission resumes; so no request mixes old and new weights.
         Returns the new fingerprint; raises the engine's ``ValueError`` for a bad tensor."""
-        if self._stopped or not self.alive:
-            raise RuntimeError("the engine loop is not running")
+        if self._stopped or not self.alive or self._error is not None:
+            raise RuntimeError(self.error or "the engine loop is not running")
         done: Future = Future()
         self._commands.put(_UpdateWeights(tensors, done))
         return await asyncio.wrap_future(done)
@@ -225,15 +239,12 @@ class AsyncEngine:
             return  # the caller went away before admission
         group, seqs = cmd.group, []
         try:
-            base = None
-            for rid, ids, p, off in zip(group.request_ids, group.prompts, group.params,
+            group.seed, params = seed_requests(group.params, group.seed_offsets,
+                                               self.engine.draw_seed)
+            for rid, ids, p, off in zip(group.request_ids, group.prompts, params,
                                         group.seed_offsets, strict=True):
-                if p.seed is None and base is not None:
-                    p = replace(p, seed=choice_seed(base, off))
-                seq = self.engine.add_request(rid, ids, p, score_only=group.score_only, index=off,
-                                              cache_salt=group.cache_salt)
-                base = choice_seed(seq.seed, -off) if base is None else base
-                seqs.append(seq)
+                seqs.append(self.engine.add_request(rid, ids, p, score_only=group.score_only,
+                                                   index=off, cache_salt=group.cache_salt))
         except Exception as e:  # all or nothing, as LLM.generate
             for seq in seqs:
                 self.engine.abort(seq.request_id)
@@ -283,8 +294,10 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             progressed = self.engine.step()
-        except Exception:
-            log.exception("engine step failed; failing the requests in flight")
+        except Exception as e:
+            log.exception("engine step failed; failing the requests in flight and taking no "
+                          "new work")
+            self._error = f"an engine step failed ({type(e).__name__}); restart the server"
             for request_id in list(self._tracked):
                 self._fail(request_id, "internal error in the engine step")
             return
@@ -317,9 +330,9 @@ class AsyncEngine:
             t.seen, t.last_token = total, now
         output = None
         if seq.is_finished:
-            output = self.engine.completion(seq)
+            output = self.engine.output.completion(seq)
             t.group.cached_tokens[t.index] = seq.num_cached_tokens
-            t.group.prompt_logprobs[t.index] = self.engine.prompt_logprobs(seq)
+            t.group.prompt_logprobs[t.index] = self.engine.output.prompt_logprobs(seq)
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             self.metrics.finished.labels(reason=seq.finish_reason or "unknown").inc()
@@ -328,8 +341,9 @@ class AsyncEngine:
             return
         s = slice(t.sent, total)
         t.sent = total
+        text = self.engine.output.stream_text(seq) if t.group.stream else ""
         _post(t.group, Delta(t.index, seq.output_token_ids[s], seq.logprobs[s],
-                             seq.top_logprobs[s], output))
+                             seq.top_logprobs[s], output, text=text))
 
     def _fail(self, request_id: str, message: str) -> None:
         t = self._untrack(request_id)

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages -> the model's chat template -> n choices.
 
 vLLM's chat extensions: ``add_generation_prompt`` / ``continue_final_message`` (render the
-conversation and continue its last message, cut right after that message's content), ``echo``
+conversation and continue its last message: samebits.text.chat_template), ``echo``
 (the reply starts with the last message's content when that message has the reply's role, as
 vLLM), ``prompt_logprobs`` (top level, vLLM's shape), ``return_token_ids``. Legacy
 ``functions`` / ``function_call`` run as tools; their calls come back in the legacy shape
@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.engine.sequence import CompletionOutput
+from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.extensions import (
@@ -56,7 +56,6 @@ from samebits.server.serving import (
     usage,
 )
 from samebits.server.structured import check_constraint, requested_constraint
-from samebits.server.tokens import TextStream
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.chat_template import render_chat
@@ -136,22 +135,11 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set from the request "
                        "itself", param="chat_template_kwargs")
     try:
-        text = render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
-                           add_generation_prompt=req.add_generation_prompt)
+        return render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return _continued(text, req.messages[-1].text()) if req.continue_final_message else text
-
-
-def _continued(text: str, final: str) -> str:
-    """The rendered conversation cut right after its last message's content (as transformers'
-    ``continue_final_message``), so the reply continues that message."""
-    for content in (final, final.strip()):
-        if content and content in text:
-            return text[:text.rindex(content) + len(content)]
-    raise APIError(400, "continue_final_message: the last message's content does not appear in "
-                   "the rendered conversation (it is empty, or the chat template changes it)",
-                   param="continue_final_message")
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -193,7 +181,7 @@ def _choice(ctx: ServingContext, reply: _Reply, out: CompletionOutput) -> ChatCh
         message = ChatMessageOut(content=message.content, function_call=calls[0].function)
         reason = "function_call"
     return ChatChoice(index=out.index, message=message,
-                      logprobs=_logprobs(ctx, reply.req, out.token_ids, out.logprobs,
+                      logprobs=_logprobs(ctx, reply.req, out.token_ids, out.token_logprobs,
                                          out.top_logprobs),
                       finish_reason=reason, seed=out.seed,
                       token_ids=out.token_ids if reply.req.return_token_ids else None)
@@ -203,9 +191,8 @@ async def _events(ctx: ServingContext, reply: _Reply, group: RequestGroup, heade
                   ) -> AsyncIterator[ChatCompletionChunk]:
     req, n_prompt = reply.req, len(reply.prompt)
     live = continuous(req.stream_options)
-    texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
     tools = [ToolStream(reply.plan) for _ in group.params]
-    counts = [0] * len(texts)
+    counts = [0] * len(tools)
     for i, seed in enumerate(group.seeds):
         yield ChatCompletionChunk(
             **header, choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
@@ -216,14 +203,11 @@ async def _events(ctx: ServingContext, reply: _Reply, group: RequestGroup, heade
             yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
                 index=i, delta=ChatDelta(content=reply.echo), seed=seed)],
                 usage=chunk_usage(n_prompt, 0) if live else None)
-    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
+    finals: list[CompletionOutput] = [None] * len(tools)  # type: ignore[list-item]
     async for d in deltas(group):
-        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
-            text = texts[d.index].finish(d.output.text)
+        if d.output is not None:
             finals[d.index] = d.output
-        else:
-            text = texts[d.index].push(d.token_ids)
-        content, calls = tools[d.index].push(text)
+        content, calls = tools[d.index].push(d.text)  # the engine's text, streamed
         finish = None
         if d.output is not None:
             rest, more = tools[d.index].finish(cut=d.output.finish_reason == "length")

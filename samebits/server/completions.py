@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from samebits.engine.sequence import CompletionOutput, PromptLogprobs
+from samebits.outputs import CompletionOutput, PromptLogprobs
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.extensions import (
@@ -52,7 +52,6 @@ from samebits.server.serving import (
     usage,
 )
 from samebits.server.structured import check_constraint, requested_constraint
-from samebits.server.tokens import TextStream
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request
@@ -146,7 +145,7 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput,
             ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.logprobs,
+        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.token_logprobs,
                                        out.top_logprobs)
         if req.echo:
             logprobs = echo_logprobs(ctx.token_text, prompt_ids, prompt_lps, req.logprobs, logprobs)
@@ -162,18 +161,15 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput,
 
 async def _events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
                   header: dict, echo: list[str] | None) -> AsyncIterator[CompletionResponse]:
-    texts = [TextStream(ctx.tokenizer, p.stop_strings) for p in group.params]
-    offsets, counts = [0] * len(texts), [0] * len(texts)
-    started = [False] * len(texts)
-    finals: list[CompletionOutput] = [None] * len(texts)  # type: ignore[list-item]
+    offsets, counts = [0] * len(group.params), [0] * len(group.params)
+    started = [False] * len(group.params)
+    finals: list[CompletionOutput] = [None] * len(group.params)  # type: ignore[list-item]
     live = continuous(req.stream_options)
     async for d in deltas(group):
         prompt = group.prompts[d.index]
-        if d.output is not None:  # the final text is the engine's (stop strings / ids cut it)
-            text = texts[d.index].finish(d.output.text)
+        text = d.text  # the engine's output text, streamed (engine.output_processor)
+        if d.output is not None:
             finals[d.index] = d.output
-        else:
-            text = texts[d.index].push(d.token_ids)
         first, started[d.index] = not started[d.index], True
         if first and echo is not None:  # each choice's first chunk starts with its prompt
             text = echo[d.index // req.n] + text

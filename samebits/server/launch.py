@@ -7,12 +7,10 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
-from pathlib import Path
 
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
-from samebits.loader import load, resolve_model_dir
-from samebits.text.tokenizer import Tokenizer
+from samebits.llm_options import loaded_with_tokenizer
 
 # vLLM flags samebits accepts with no effect, and why (each is logged once at start)
 NO_EFFECT = {
@@ -57,15 +55,7 @@ def served_names(args: argparse.Namespace, derived: str, default: str) -> tuple[
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
-    """The generation engine; with ``--tokenizer``, that tokenizer instead of the model's."""
+    """The generation engine; with ``--tokenizer`` (a directory or a hub id), that tokenizer
+    instead of the model's (as ``LLM(tokenizer=...)``)."""
     config = EngineConfig.from_cli_args(args, seed=args.seed)
-    loaded = load(config)
-    if getattr(args, "tokenizer", None) is not None:
-        path = Path(args.tokenizer).expanduser()
-        if not path.is_dir():  # a model file or id: the directory the loader resolves it to
-            path = resolve_model_dir(args.tokenizer)
-        tokenizer = Tokenizer.from_dir(path, loaded.model_config.eos_token_ids)
-        if tokenizer is None:
-            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
-        loaded.tokenizer = tokenizer
-    return LLMEngine(config, loaded)
+    return LLMEngine(config, loaded_with_tokenizer(config, args.tokenizer, None, None))

@@ -3,7 +3,7 @@ distribution; JSON carries them as the shortest decimal that reads back to the s
 
 from __future__ import annotations
 
-from samebits.engine.sequence import PromptLogprobs
+from samebits.outputs import PromptLogprobs
 from samebits.server.protocol import (
     ChatLogprobs,
     CompletionLogprobs,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from samebits.engine.sequence import CompletionOutput
+from samebits.outputs import CompletionOutput
 from samebits.server.logprobs import chat_logprobs
 from samebits.server.protocol import TokenLogprob
 from samebits.server.responses_protocol import (
@@ -32,7 +32,7 @@ def output_items(ctx: ServingContext, req: ResponsesRequest, plan: ToolPlan,
     content, calls = ToolStream(plan).parse(out.text, cut)
     items: list[OutputItem] = []
     if content or not calls:
-        lps = logprobs(ctx, req, out.token_ids, out.logprobs, out.top_logprobs)
+        lps = logprobs(ctx, req, out.token_ids, out.token_logprobs, out.top_logprobs)
         items.append(OutputMessage(id=item_id("msg"), status="incomplete" if cut else "completed",
                                    content=[OutputText(text=content or "", logprobs=lps)]))
     items += [OutputFunctionCall(id=item_id("fc"), call_id=c.id, name=c.function.name,

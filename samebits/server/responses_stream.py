@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from samebits.engine.sequence import CompletionOutput
+from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.protocol import DeltaToolCall, TokenLogprob
@@ -35,7 +35,6 @@ from samebits.server.responses_protocol import (
     StreamEvent,
 )
 from samebits.server.serving import ServingContext, deltas, hash_outputs
-from samebits.server.tokens import TextStream
 from samebits.server.tools import ToolPlan, ToolStream
 
 
@@ -76,14 +75,12 @@ async def _events(ctx: ServingContext, req: ResponsesRequest, plan: ToolPlan,
     yield events("response.created", response=head)
     yield events("response.in_progress", response=head)
     items = _Items(events)
-    text = TextStream(ctx.tokenizer, group.params[0].stop_strings)
     tools = ToolStream(plan)
     pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
     out: CompletionOutput | None = None
     async for d in deltas(group):
         out = d.output
-        piece = text.finish(out.text) if out is not None else text.push(d.token_ids)
-        content, calls = tools.push(piece)
+        content, calls = tools.push(d.text)  # the engine's text, streamed
         if out is not None:
             rest, more = tools.finish(cut=out.finish_reason == "length")
             content, calls = (content or "") + (rest or ""), calls + more

@@ -1,23 +1,26 @@
 """What both endpoints share: checking a request against the model, turning it into engine
-requests (one per choice, or per best_of candidate; seeds ``S + i``), and getting the results back
--- whole, or as a server-sent-event stream -- while aborting whatever a departed client leaves
-behind."""
+requests (one per choice, or per best_of candidate; the seeds and the choice of the best are
+samebits.engine.fanout's, as offline), and getting the results back -- whole, or as a
+server-sent-event stream -- while aborting whatever a departed client leaves behind."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from samebits.engine import fanout
+from samebits.engine.context_length import ContextLengthError, check_context_length
 from samebits.engine.grammar import GrammarCompiler
-from samebits.engine.sequence import CompletionOutput
-from samebits.sampling_params import SamplingParams, choice_seed
+from samebits.outputs import CompletionOutput
+from samebits.sampling_params import SamplingParams
 from samebits.server.async_engine import (
     RETRY_AFTER_S,
     AsyncEngine,
@@ -65,42 +68,39 @@ class ServingContext:
             raise APIError(400, f"{param} is not valid UTF-8", param=param) from None
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
-        limit = self.max_model_len
-        if len(ids) > limit or (len(ids) == limit and max_tokens > 0):
-            raise APIError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} "
-                           "tokens", param=param, code="context_length_exceeded")
-        if len(ids) + max_tokens > limit:
-            raise APIError(400, f"max_tokens={max_tokens} plus {len(ids)} prompt tokens exceeds "
-                           f"this model's context of {limit} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+        """The one context-length check (engine.context_length), OpenAI's rule: prompt +
+        ``max_tokens`` must fit."""
+        try:
+            check_context_length(len(ids), max_tokens, self.max_model_len, param,
+                                 fits_max_tokens=True)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
                stream: bool, cache_salt: str | None = None, score_only: bool = False
                ) -> RequestGroup:
-    """n engine requests per prompt (its candidates); with a seed S, candidate i of each prompt
-    uses seed ``choice_seed(S, i)`` = S + i (wrapped into [0, 2**63)). ``score_only``: teacher-
-    forced prompt logprobs, nothing generated."""
+    """n engine requests per prompt (its candidates), request j candidate ``seed_offsets[j]`` of
+    its prompt; the engine thread seeds them at admission (``fanout.seed_requests``: one request
+    seed S, given or drawn, candidate i of every prompt S + i). ``score_only``: teacher-forced
+    prompt logprobs, nothing generated."""
     ids, all_prompts, all_params, offsets = [], [], [], []
     for p, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         for i in range(n):
             ids.append(f"{prefix}-{p}-{i}")
             all_prompts.append(prompt)
-            all_params.append(sp if sp.seed is None else replace(sp, seed=choice_seed(sp.seed, i)))
+            all_params.append(sp)
             offsets.append(i)
     return RequestGroup(ids, all_prompts, all_params, offsets, stream, cache_salt, score_only)
 
 
 def best(outputs: list[CompletionOutput], n: int, candidates: int) -> list[CompletionOutput]:
-    """Per prompt (``candidates`` consecutive outputs), the n with the highest cumulative logprob
-    (stable: ties keep the lower candidate first), as choices numbered in order."""
+    """Per prompt (``candidates`` consecutive outputs), its choices (``fanout.best``), numbered
+    in order over all prompts."""
     chosen = []
     for start in range(0, len(outputs), candidates):
-        group = outputs[start:start + candidates]
-        if candidates > n:
-            group = sorted(group, key=lambda o: -o.cumulative_logprob)[:n]
-        chosen.extend(group)
-    return [replace(o, index=i) for i, o in enumerate(chosen)]
+        chosen.extend(fanout.best(outputs[start:start + candidates], n))
+    return [o if o.index == i else dataclasses.replace(o, index=i) for i, o in enumerate(chosen)]
 
 
 def new_id(kind: str) -> str:
@@ -108,7 +108,7 @@ def new_id(kind: str) -> str:
 
 
 async def submit(ctx: ServingContext, group: RequestGroup) -> int:
-    """Admit the group; returns the request's seed (choice 0's, drawn if none was given)."""
+    """Admit the group; returns the request's seed (the one given, or the one drawn)."""
     try:
         await ctx.engine.submit(group)
     except ValueError as e:
@@ -116,7 +116,7 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
     except QueueFull as e:
         raise APIError(503, str(e), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    return choice_seed(group.seeds[0], -group.seed_offsets[0])
+    return group.seed
 
 
 async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
@@ -178,7 +178,7 @@ def cached_tokens(group: RequestGroup, candidates: int) -> int:
 
 def hash_outputs(outputs: list[CompletionOutput]) -> str:
     """samebits.server.output_hash of a response's choices, in choice order."""
-    return output_hash((o.token_ids, o.logprobs) for o in outputs)
+    return output_hash((o.token_ids, o.token_logprobs) for o in outputs)
 
 
 def hashed_json(body: BaseModel, outputs: list[CompletionOutput]) -> Response:

@@ -9,6 +9,11 @@ system message (one is added if the conversation has none), each assistant call 
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in its content, and each tool result
 as ``<tool_response>...</tool_response>`` in a ``tool`` message. samebits' tool parser reads the
 same ``<tool_call>`` format back out of generated text (server/tools.py).
+
+Content given as a list of parts (OpenAI's ``[{"type": "text", "text": ...}]``) is joined into
+one string, its text parts separated by newlines (vLLM's rendering for string templates); other
+part types are refused. ``continue_final_message`` renders the last message open-ended, cut as
+transformers cuts it, so the model continues it instead of starting a new turn.
 """
 
 from __future__ import annotations
@@ -27,22 +32,58 @@ TOOLS_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where a continued message ends
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, template: str | None = None,
                 template_kwargs: dict[str, Any] | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text; ``ValueError`` when there is no template or it fails."""
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """The prompt text; ``ValueError`` when there is no template, it fails, or the options
+    contradict each other."""
     template = template or tokenizer.chat_template
     if not template:
         raise ValueError("this model's tokenizer has no chat template")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
+                         "continue the last message, or start a new assistant turn")
+    messages = [_text_content(m) for m in messages]
+    if continue_final_message:
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message: the final message has no text to continue")
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}
     if "tool_calls" in template:
         messages = [_with_parsed_arguments(m) for m in messages]
     else:
         messages = [_hermes_message(m) for m in messages]
     if tools and "tools" not in template:
         messages, tools = _tools_in_system(messages, tools), None
-    return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools or None,
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools or None,
                                          template=template, **(template_kwargs or {}))
+    return _cut_at_tag(text) if continue_final_message else text
+
+
+def _text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with list-of-parts content joined into one string."""
+    content = message.get("content")
+    if not isinstance(content, list | tuple):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"message content part of type {kind!r} is not supported: samebits "
+                             "models take text parts ({'type': 'text', 'text': ...}) only")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to where the continued final message ends (transformers' rule)."""
+    if CONTINUE_TAG.strip() not in text:
+        raise ValueError("continue_final_message: the chat template dropped the final message")
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Tokenizer + chat template from an HF-format directory (tokenizer.json, tokenizer_config.json,
-generation_config.json), via the ``tokenizers`` library and a sandboxed jinja2 template."""
+chat_template.jinja, generation_config.json), via the ``tokenizers`` library and a sandboxed jinja2
+template. ``samebits.text.hf_tokenizer`` puts transformers' interface over it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class Tokenizer:
         tok.no_truncation()
         cfg_file = path / "tokenizer_config.json"
         config = read_json(cfg_file) if cfg_file.is_file() else {}
+        template_file = path / "chat_template.jinja"  # transformers' separate template file
+        if not config.get("chat_template") and template_file.is_file():
+            config = {**config, "chat_template": template_file.read_text(encoding="utf-8")}
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
             eos = read_json(gen_file).get("eos_token_id")
@@ -67,6 +71,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers.Tokenizer`` every method here runs."""
+        return self._tok
+
+    def special_token(self, key: str) -> str | None:
+        """The text of a special token named in tokenizer_config.json (``eos_token``...)."""
+        return _token_str(self.config.get(key))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token text (``<|im_end|>``) always maps to its id, and

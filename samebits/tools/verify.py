@@ -16,6 +16,8 @@ Nothing differs, or the audit failed: the exit status says which (0 only when no
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -77,6 +79,15 @@ def report(results: list[CheckResult], **extra: Any) -> bool:
     print(json.dumps({**extra, "checks": len(results), "ok": ok,
                       "differing": sum(r.to_json()["differing"] for r in results)}))
     return ok
+
+
+def plot_file(path: str) -> str:
+    """``--plot FILE``'s argument type: refused when the arguments are parsed, before any work,
+    if matplotlib (the ``plot`` extra) is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib, which is not installed: "
+                                         "pip install 'samebits[plot]' (or matplotlib)")
+    return path
 
 
 def plot(results: list[CheckResult], path: str, title: str) -> None:

@@ -52,14 +52,16 @@ def test_minilm_matches_sentence_transformers(invariant, hf_reference):
     st = pytest.importorskip("sentence_transformers")
     model = st.SentenceTransformer(str(default_model_dir()), device="cpu")
     want = model.encode(SENTENCES, batch_size=16, convert_to_tensor=True).float()
-    got = torch.tensor(LLM(task="embed", batch_invariant=invariant).embed(SENTENCES))
+    llm = LLM(task="embed", batch_invariant=invariant)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES)])
     assert len(SENTENCES) == 50 and _cosines(got, want).min() >= COS_MIN
     assert _cosines(hf_reference, want).min() >= COS_MIN
 
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_minilm_matches_transformers_mean_pooling(invariant, hf_reference):
-    got = torch.tensor(LLM(task="embed", batch_invariant=invariant).embed(SENTENCES))
+    llm = LLM(task="embed", batch_invariant=invariant)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES)])
     assert _cosines(got, hf_reference).min() >= COS_MIN
     assert (got - hf_reference).abs().max() < 1e-5
 
@@ -108,7 +110,7 @@ def test_pooling_modes_on_a_small_bert(tiny_bert, mode, normalize):
     for invariant in (True, False):
         emb = LLM(str(path), task="embed", batch_invariant=invariant)
         assert (emb.embedder.pooling, emb.embedder.normalize) == (mode, normalize)
-        got = torch.tensor(emb.embed(ids))
+        got = torch.tensor([o.outputs.embedding for o in emb.embed(ids)])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
@@ -126,5 +128,5 @@ def test_texts_past_max_seq_length_truncate_as_sentence_transformers():
     with pytest.raises(ValueError, match="limit of 256 tokens"):
         emb.embed(long)
     want = model.encode(long, convert_to_tensor=True).float()
-    got = torch.tensor(emb.embed(long, truncate=True))
+    got = torch.tensor([o.outputs.embedding for o in emb.embed(long, truncate=True)])
     assert _cosines(got, want).min() >= COS_MIN

@@ -30,7 +30,7 @@ def test_bitwise_equal_with_chunked_prefill_at_odd_boundaries_and_prefix_hits(re
     assert _mismatches(first, want) == []
     outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])  # again: cache hits
     assert sum(o.num_cached_tokens for o in outs) > 0, "the test must exercise cache hits"
-    assert _mismatches([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], want) == []
+    assert _mismatches([(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs], want) == []
 
 
 @pytest.mark.slow  # the default CPU chunk (128 tokens) runs in every test here; this one uses 7

@@ -52,7 +52,7 @@ def _assert_rows_equal(rows: list[dict], outs) -> None:
         assert row["generated_text"] == out.text
         assert np.array_equal(np.asarray(row["token_ids"]), np.array(out.token_ids))
         lp = np.asarray(row["logprobs"], dtype=np.float32)
-        assert lp.tobytes() == np.array(out.logprobs, dtype=np.float32).tobytes()
+        assert lp.tobytes() == np.array(out.token_logprobs, dtype=np.float32).tobytes()
         assert int(row["seed"]) == out.seed
 
 

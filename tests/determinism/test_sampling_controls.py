@@ -29,7 +29,7 @@ NAMES = list(REQUESTS)
 
 def _run(llm: LLM, names: list[str]) -> dict[str, tuple[list[int], list[float]]]:
     outs = llm.generate([PROMPT] * len(names), [REQUESTS[n] for n in names])
-    return {n: (o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return {n: (o.outputs[0].token_ids, o.outputs[0].token_logprobs)
             for n, o in zip(names, outs, strict=True)}
 
 

@@ -35,8 +35,8 @@ def _alone_and_batched(llm: LLM) -> tuple[list, list]:
     params = _params()
     alone = [llm.generate(PROMPTS[i], params[i])[0].outputs[0] for i in CONSTRAINED]
     batched = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
-    return ([(o.token_ids, o.logprobs) for o in alone],
-            [(batched[i].token_ids, batched[i].logprobs) for i in CONSTRAINED])
+    return ([(o.token_ids, o.token_logprobs) for o in alone],
+            [(batched[i].token_ids, batched[i].token_logprobs) for i in CONSTRAINED])
 
 
 @pytest.fixture(scope="module")

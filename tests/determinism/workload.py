@@ -55,7 +55,7 @@ def run_shuffled(llm: LLM, reqs: list[tuple[list[int], SamplingParams]], shuffle
     outs = llm.generate([reqs[i][0] for i in order], [reqs[i][1] for i in order])
     result: list = [None] * len(reqs)
     for i, o in zip(order, outs, strict=True):
-        result[i] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        result[i] = (o.outputs[0].token_ids, o.outputs[0].token_logprobs)
     return result
 
 

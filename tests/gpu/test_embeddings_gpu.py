@@ -36,14 +36,15 @@ def _inputs() -> list[list[int]]:
 
 
 def _differing(llm: LLM, inputs: list[list[int]]) -> list[int]:
-    alone = [llm.embed([x])[0] for x in inputs]
+    alone = [llm.embed([x])[0].outputs.embedding for x in inputs]
     bad = set()
     for size in (4, 16, 64):
         order = list(range(len(inputs)))
         random.Random(size).shuffle(order)
         for start in range(0, len(order), size):
             group = order[start:start + size]
-            for i, v in zip(group, llm.embed([inputs[i] for i in group]), strict=True):
+            for i, v in zip(group, [o.outputs.embedding for o in llm.embed([inputs[i] for i in group])],
+                            strict=True):
                 if v != alone[i]:
                     bad.add(i)
     return sorted(bad)

@@ -68,7 +68,7 @@ def test_gpu_bitwise_equal_chunked_prefill_and_prefix_hits(reference):
     assert _diff(run_shuffled(llm, reqs, 11), want) == []
     outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])  # now with cache hits
     assert sum(o.num_cached_tokens for o in outs) > 0
-    assert _diff([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], want) == []
+    assert _diff([(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs], want) == []
 
 
 def test_gpu_bitwise_equal_under_preemption(reference):

@@ -103,7 +103,7 @@ Run = dict[tuple[int, str], tuple[list[int], list[float]]]
 
 def _run(llm: LLM, keys: list[tuple[int, str]], params: dict[str, SamplingParams]) -> Run:
     outs = llm.generate([PROMPTS[p] for p, _ in keys], [params[n] for _, n in keys])
-    return {k: (o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return {k: (o.outputs[0].token_ids, o.outputs[0].token_logprobs)
             for k, o in zip(keys, outs, strict=True)}
 
 

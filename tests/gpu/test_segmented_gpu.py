@@ -4,13 +4,14 @@ arithmetic, in one Triton launch per linear (fused or split-K schedule, eager or
 What the tests prove, bit for bit: ``linear(x, w, k_bounds=...)`` is the ordered fp32 sum of each
 segment's product computed alone on its contiguous slice, for near-equal bounds (even and
 uneven, 16-aligned or not), every dtype and both schedules; and ``LLM()`` (CUDA graphs) returns
-the tokens and logprobs of a one-rank tensor-parallel model (``TPModel``: one product per segment
-on contiguous weight copies, partials added by torch in order) -- the arithmetic every TP size
-shares. Negative control: one K chain gives other bits. Skipped without CUDA.
+the tokens and logprobs of the same model with its row-parallel layers on their tensor-parallel
+path (one product per segment, partials gathered and added by torch in order) -- the arithmetic
+every TP size shares. Negative control: one K chain gives other bits. Skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM, SamplingParams  # noqa: E402
-from samebits.distributed.segments import row_parallel_bounds  # noqa: E402
+from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 
 QWEN3_TINY = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
@@ -70,13 +71,15 @@ def test_negative_control_one_k_chain_differs_from_segments():
 
 
 def _one_rank_reference(config: str, prompts, params):
-    """The same model as a one-rank TPModel (eager: no graphs under TP)."""
-    from samebits.distributed.engine import enable_tensor_parallel
+    """The same model with every row-parallel layer on its tensor-parallel path (one product per
+    segment, partials gathered and added by torch in order), eager."""
+    from samebits.models.parallel import RowParallelLinear
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
-              kv_cache_memory_bytes=1 << 28)
-    engine = llm.engine
-    enable_tensor_parallel(engine.runner, engine.loaded, engine.config)  # world size 1
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+              kv_cache_memory_bytes=1 << 28, enforce_eager=True)
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, RowParallelLinear):
+            m.forward = functools.partial(RowParallelLinear.gathered, m)
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +104,6 @@ def test_default_engine_equals_one_rank_tp_model(which, uneven_config):
               for i in range(6)]
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
               kv_cache_memory_bytes=1 << 28, max_num_seqs=8)  # decode replays CUDA graphs
-    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    got = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in llm.generate(prompts, params)]
     assert len(llm.engine.runner.graphs.graphs) > 0
     assert got == _one_rank_reference(config, prompts, params)

@@ -44,7 +44,7 @@ def _rollout(llm: LLM, seed: int = 100):
                              ignore_eos=True) for i in range(N)]
     outs = llm.generate(PROMPTS, params)
     return ([o.prompt_token_ids + o.outputs[0].token_ids for o in outs], [len(p) for p in PROMPTS],
-            [torch.tensor(o.outputs[0].logprobs) for o in outs])
+            [torch.tensor(o.outputs[0].token_logprobs) for o in outs])
 
 
 def _mismatches(tl: TrainableLM, seqs, starts, sampled) -> dict[int, int]:

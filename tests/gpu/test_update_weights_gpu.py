@@ -34,7 +34,7 @@ def _llm(model: str | Path, **kwargs) -> LLM:
 
 
 def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
             for o in llm.generate(PROMPTS, PARAMS)]
 
 

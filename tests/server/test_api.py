@@ -116,9 +116,9 @@ def test_http_server_equals_offline_api(server, offline_llm):
     offline_chat = llm.chat(CHAT, SamplingParams(max_tokens=6, temperature=0.8, seed=78)
                             )[0].outputs[0]
     assert [(c.text, c.logprobs.token_logprobs, c.model_extra["seed"]) for c in web] == [
-        (o.text, o.logprobs, o.seed) for o in offline]
+        (o.text, o.token_logprobs, o.seed) for o in offline]
     assert web_chat.message.content == offline_chat.text
-    assert [t.logprob for t in web_chat.logprobs.content] == offline_chat.logprobs
+    assert [t.logprob for t in web_chat.logprobs.content] == offline_chat.token_logprobs
 
 
 def test_metrics(server, standard_server):

@@ -108,7 +108,7 @@ def test_vectors_are_bitwise_independent_of_the_batch_and_equal_offline(embed_se
     assert calls < 32, "concurrent requests should have been embedded together"
     alone = _alone(client, TEXTS)
     one_request = _one_request_shuffled(client, TEXTS)
-    reference = [offline.embed([t])[0] for t in TEXTS]
+    reference = [offline.embed([t])[0].outputs.embedding for t in TEXTS]
     assert len(reference[0]) == 384
     for name, got in [("concurrent", together), ("one request", one_request),
                       ("offline", reference)]:
@@ -140,7 +140,8 @@ def test_base64_and_float_encodings_give_the_same_floats(embed_server, offline):
     # asked for explicitly, the client hands back the base64 string
     raw = client.embeddings.create(model=EMBED, input=texts, encoding_format="base64")
     assert all(isinstance(d.embedding, str) for d in raw.data)
-    assert [_decode(d.embedding) for d in raw.data] == floats == offline.embed(texts)
+    want = [o.outputs.embedding for o in offline.embed(texts)]
+    assert [_decode(d.embedding) for d in raw.data] == floats == want
     assert raw.system_fingerprint == offline.fingerprint == default.system_fingerprint
 
 
@@ -156,7 +157,8 @@ def test_response_shape_usage_and_token_id_inputs(embed_server, offline):
     n = len(ids[0]) + len(ids[1])
     assert out["usage"] == {"prompt_tokens": n, "total_tokens": n}
     assert [(d["object"], d["index"]) for d in out["data"]] == [("embedding", 0), ("embedding", 1)]
-    assert [d["embedding"] for d in out["data"]] == offline.embed(["hello world", "a second text"])
+    want = [o.outputs.embedding for o in offline.embed(["hello world", "a second text"])]
+    assert [d["embedding"] for d in out["data"]] == want
     one = embed_server.client().embeddings.create(model=EMBED, input=ids[0],
                                                   encoding_format="float")
     assert one.data[0].embedding == out["data"][0]["embedding"]  # a flat id list is one input
@@ -172,14 +174,14 @@ def test_truncate_extension(embed_server, offline):
     out = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
                                    extra_body={"truncate": True})
     assert out.usage.prompt_tokens == 256  # sentence_bert_config.json's max_seq_length
-    assert out.data[0].embedding == offline.embed([long], truncate=True)[0]
+    assert out.data[0].embedding == offline.embed([long], truncate=True)[0].outputs.embedding
     vllm = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
                                     extra_body={"truncate_prompt_tokens": -1})
     assert vllm.data[0].embedding == out.data[0].embedding
     short = client.embeddings.create(model=EMBED, input=long, encoding_format="float",
                                      extra_body={"truncate_prompt_tokens": 100})
     assert short.usage.prompt_tokens == 100
-    assert short.data[0].embedding == offline.embed([long], truncate=100)[0]
+    assert short.data[0].embedding == offline.embed([long], truncate=100)[0].outputs.embedding
 
 
 def _j(**body) -> bytes:
@@ -284,7 +286,7 @@ def test_embeddings_beside_a_generation_model(both_server, offline):
         return done[:4], done[4:]
 
     gens, embs = asyncio.run(mixed())
-    assert [e.data[0].embedding for e in embs] == [offline.embed([t])[0] for t in TEXTS[:8]]
+    assert [e.data[0].embedding for e in embs] == [offline.embed([t])[0].outputs.embedding for t in TEXTS[:8]]
     assert {e.system_fingerprint for e in embs} == {offline.fingerprint}
     assert {g.system_fingerprint for g in gens} == {models[GEN]["system_fingerprint"]}
     assert all(g.choices[0].finish_reason in ("stop", "length") for g in gens)

@@ -1,4 +1,5 @@
-"""The server's pure pieces, without a model: streaming detokenization, token bytes, errors."""
+"""The server's pure pieces, without a model: token bytes, request groups, errors (the streamed
+text is the engine's: tests/unit/test_output_processor.py)."""
 
 from __future__ import annotations
 
@@ -8,47 +9,12 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import pre_tokenizers
 
+from samebits.engine.fanout import seed_requests
 from samebits.sampling_params import SamplingParams
 from samebits.server.errors import from_validation_error, from_value_error
 from samebits.server.protocol import ChatCompletionRequest, CompletionRequest
 from samebits.server.serving import make_group
-from samebits.server.tokens import _UNBYTE, TextStream
-
-
-class CharTokenizer:
-    """Token i is the byte i (so multi-byte characters span tokens), like byte-level BPE."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def _ids(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def _stream(text: str, stop: list[str], final: str) -> str:
-    s, out = TextStream(CharTokenizer(), stop), ""
-    for i in _ids(text):
-        out += s.push([i])
-    return out + s.finish(final)
-
-
-def test_stream_never_sends_a_partial_character():
-    s, sent = TextStream(CharTokenizer(), []), []
-    for i in _ids("aé日b"):
-        sent.append(s.push([i]))
-    assert "\ufffd" not in "".join(sent)
-    assert "".join(sent) == "aé日b"
-
-
-def test_stream_holds_back_what_a_stop_string_could_claim():
-    # the engine cut the text at "STOP"; nothing after "ab" may have been sent before
-    s, sent = TextStream(CharTokenizer(), ["STOP"]), ""
-    for i in _ids("abSTO"):
-        sent += s.push([i])
-    assert "S" not in sent
-    assert sent + s.finish("ab") == "ab"
-    assert _stream("hello world", ["zz"], "hello world") == "hello world"
+from samebits.server.tokens import _UNBYTE
 
 
 def test_byte_level_table_inverts_gpt2_alphabet():
@@ -57,13 +23,17 @@ def test_byte_level_table_inverts_gpt2_alphabet():
     assert _UNBYTE["Ġ"] == 0x20 and _UNBYTE["Ċ"] == 0x0A and _UNBYTE["a"] == ord("a")
 
 
+@pytest.mark.smoke
 def test_seeds_are_s_plus_i_per_prompt():
     params = SamplingParams(max_tokens=2, seed=10)
     group = _group([[1], [2]], [params, params], n=3)
-    assert [p.seed for p in group.params] == [10, 11, 12, 10, 11, 12]
     assert group.seed_offsets == [0, 1, 2, 0, 1, 2]
+    seed, seeded = seed_requests(group.params, group.seed_offsets, draw=lambda: 1 / 0)
+    assert seed == 10 and [p.seed for p in seeded] == [10, 11, 12, 10, 11, 12]
     unseeded = _group([[1]], [SamplingParams(max_tokens=2)], n=2)
-    assert [p.seed for p in unseeded.params] == [None, None]
+    draws = iter([2**63 - 1])
+    seed, seeded = seed_requests(unseeded.params, unseeded.seed_offsets, draw=lambda: next(draws))
+    assert seed == 2**63 - 1 and [p.seed for p in seeded] == [2**63 - 1, 0]  # drawn once
 
 
 def _group(prompts, params, n):

@@ -37,7 +37,7 @@ def test_echo_max_tokens_1_is_prompt_then_exactly_the_generated_token(server, of
     want = offline_llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))[0].outputs[0]
     assert len(lp.token_logprobs) == len(ids) + 1
     assert lp.token_logprobs[1:-1] == offline_llm.score([ids])[0]
-    assert lp.token_logprobs[-1] == want.logprobs[0]
+    assert lp.token_logprobs[-1] == want.token_logprobs[0]
     assert choice.text == TEXT + want.text and lp.text_offset == sorted(lp.text_offset)
 
 

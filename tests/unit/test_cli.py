@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from samebits.cli import build_parser
 from samebits.cli import main as cli_main
 from samebits.config import EngineConfig
@@ -34,6 +36,7 @@ def test_every_option_has_help_and_shows_its_default():
         assert "(default: 64)" in text and "(default: auto)" in text, name
 
 
+@pytest.mark.smoke
 def test_engine_options_become_one_engine_config():
     args = build_parser().parse_args(["serve", "--standard", "--max-model-len", "100",
                                       "--no-prefix-caching", "--max-num-seqs", "3"])

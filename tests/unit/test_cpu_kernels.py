@@ -3,6 +3,7 @@ weights that follow in-place updates, and CPU constants in the CPU fingerprint o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from samebits.config import EngineConfig
@@ -21,6 +22,7 @@ def _with_threads(n: int, fn):
         torch.set_num_threads(before)
 
 
+@pytest.mark.smoke
 def test_linear_bits_do_not_depend_on_the_thread_count_or_row_count() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(33, 576, generator=g), torch.randn(200, 576, generator=g)

@@ -33,7 +33,7 @@ def _inputs() -> list[list[int]]:
 def test_last_token_embedding_matches_transformers(qwen3_embedding_dir):
     path, model = qwen3_embedding_dir
     emb = LLM(str(path), task="embed")
-    for ids, got in zip(_inputs(), emb.embed(_inputs()), strict=True):
+    for ids, got in zip(_inputs(), [o.outputs.embedding for o in emb.embed(_inputs())], strict=True):
         with torch.no_grad():
             h = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
         want = torch.nn.functional.normalize(h, dim=-1)
@@ -46,6 +46,6 @@ def test_decoder_embedding_bitwise_equal_alone_and_in_any_batch(qwen3_embedding_
     path, _ = qwen3_embedding_dir
     emb = LLM(str(path), task="embed")
     inputs = _inputs()
-    alone = [emb.embed([ids])[0] for ids in inputs]
-    assert emb.embed(inputs) == alone
-    assert emb.embed(inputs[::-1]) == alone[::-1]
+    alone = [emb.embed([ids])[0].outputs.embedding for ids in inputs]
+    assert [o.outputs.embedding for o in emb.embed(inputs)] == alone
+    assert [o.outputs.embedding for o in emb.embed(inputs[::-1])] == alone[::-1]

@@ -63,6 +63,7 @@ def test_first_stop_found_where_a_full_search_finds_it(tokenizer, stops):
     assert not any(s in tokenizer.decode(ids[:n - 1]) for s in stops), "stopped at the first match"
 
 
+@pytest.mark.smoke
 def test_a_stop_string_completed_by_a_later_token_is_found_once_and_not_before(tokenizer):
     d = IncrementalDetokenizer(tokenizer, ["ab"])
     a, b = tokenizer.encode("a"), tokenizer.encode("b")

@@ -181,6 +181,7 @@ def test_dequantize_bitwise_equals_gguf_package_for_each_type(qtype: Q, tmp_path
     assert np.array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.smoke
 def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     data = _encoded(Q.IQ4_NL, 2, 64, np.random.default_rng(0))
     path = _write_gguf(tmp_path / "t.gguf", "llama", {"w": (data, Q.IQ4_NL)})

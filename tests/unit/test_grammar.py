@@ -29,6 +29,7 @@ def test_invalid_constraint_raises_value_error_saying_what(compiler, spec, what)
         compiler.compile(spec)
 
 
+@pytest.mark.smoke
 def test_equal_specs_share_one_compiled_grammar(compiler):
     a = compiler.compile(SO(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
     b = compiler.compile(SO(json='{"type": "object", "properties": {"a": {"type": "integer"}}}'))

@@ -29,7 +29,7 @@ def sampled():
                         SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         llm.engine.loaded.model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
-    return hf, [Sampled(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return hf, [Sampled(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].token_logprobs)
                 for o in outs]
 
 

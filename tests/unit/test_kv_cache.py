@@ -75,6 +75,7 @@ def test_pool_touch_takes_a_reference_on_a_free_cached_block() -> None:
     assert pool.num_free == 4
 
 
+@pytest.mark.smoke
 def test_lru_evicts_the_least_recently_freed_cached_block_first() -> None:
     pool = BlockPool(6)
     blocks = pool.allocate(6)

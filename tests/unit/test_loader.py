@@ -34,6 +34,7 @@ def test_sharded_checkpoint_loads_bitwise_like_single_file(saved):
     assert torch.equal(a, b)
 
 
+@pytest.mark.smoke
 def test_sharded_index_pointing_at_missing_shard_names_it(saved, tmp_path):
     _, sharded = saved
     for f in sharded.iterdir():

@@ -112,6 +112,7 @@ def _mixed() -> list[Sequence]:
     return seqs
 
 
+@pytest.mark.smoke
 def test_each_row_bitwise_equal_alone_and_in_any_batch() -> None:
     seqs, logits = _mixed(), _logits(16, seed=5)
     batch = apply_logits_processors(logits, seqs)

@@ -175,6 +175,7 @@ def test_linear_rows_unchanged_by_zero_or_garbage_padding_rows(pad: str,
     check_with_control(check, dtype)
 
 
+@pytest.mark.smoke
 def test_linear_leading_dims_and_bias_are_row_wise() -> None:
     x, w, b = _linear_case(576, 192, torch.float32, rows=48, seed=3)
     flat = ops.linear(x, w, b)

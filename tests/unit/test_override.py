@@ -76,6 +76,7 @@ def test_matmul_family_is_row_invariant(name: str, dtype: torch.dtype) -> None:
         assert _batch_variant_rows(op, x) == []
 
 
+@pytest.mark.smoke
 def test_stock_mm_is_not_row_invariant() -> None:
     """Negative control: MKL's one-row (gemv) product differs from the same row in a GEMM."""
     assert _batch_variant_rows(_mm_ops(torch.float32)["mm"], _rand(64, K)) != []

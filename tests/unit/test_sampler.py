@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from samebits.engine.sampler import gumbel_noise, keep_mask, mix32, sample, stream_key, weights
@@ -96,6 +97,7 @@ def test_gumbel_noise_has_gumbel_mean_and_variance() -> None:
 
 # ---- greedy ------------------------------------------------------------------------------------
 
+@pytest.mark.smoke
 def test_greedy_ties_go_to_the_lowest_token_id() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0],
                            [5.0, 5.0, 5.0, 5.0],

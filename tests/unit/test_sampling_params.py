@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from samebits import SamplingParams
-from samebits.sampling_params import choice_seed
+from samebits import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from samebits.engine.fanout import choice_seed
 
 INVALID = [
     ("max_tokens", 0),
@@ -54,6 +54,14 @@ INVALID = [
     ("min_tokens", 1.0),
     ("stop_token_ids", [-1]),
     ("ignore_eos", 1),
+    ("include_stop_str_in_output", 1),
+    ("skip_special_tokens", None),
+    ("spaces_between_special_tokens", "yes"),
+    ("detokenize", 0),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 2.0),
+    ("guided_decoding", {"json": {}}),
 ]
 
 
@@ -86,6 +94,13 @@ VALID = [
     {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"repetition_penalty": 1e-3},
     {"min_tokens": 16},
+    {"max_tokens": None},
+    {"max_tokens": None, "min_tokens": 10**6},
+    {"include_stop_str_in_output": True, "skip_special_tokens": False,
+     "spaces_between_special_tokens": False},
+    {"detokenize": False},
+    {"truncate_prompt_tokens": -1},
+    {"truncate_prompt_tokens": 1},
 ]
 
 
@@ -131,6 +146,7 @@ def test_bool_is_not_accepted_as_an_integer_field(field: str) -> None:
         SamplingParams(**{field: True})
 
 
+@pytest.mark.smoke
 def test_best_of_below_n_names_best_of() -> None:
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
@@ -147,3 +163,24 @@ def test_has_penalties_only_when_a_penalty_is_not_neutral() -> None:
                               repetition_penalty=1).has_penalties
     assert SamplingParams(frequency_penalty=-0.1).has_penalties
     assert SamplingParams(repetition_penalty=1.01).has_penalties
+
+
+def test_guided_decoding_is_structured_outputs_under_vllms_older_name() -> None:
+    spec = GuidedDecodingParams(regex="[ab]+")
+    assert GuidedDecodingParams is StructuredOutputsParams
+    for params in (SamplingParams(guided_decoding=spec), SamplingParams(structured_outputs=spec)):
+        assert params.structured_outputs is params.guided_decoding is spec
+    assert SamplingParams(guided_decoding=spec, structured_outputs=spec).structured_outputs is spec
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(guided_decoding=spec, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_clone_is_an_equal_independent_copy() -> None:
+    params = SamplingParams(stop=["x"], logit_bias={3: 1.0}, seed=4)
+    copy = params.clone()
+    assert copy == params and copy.logit_bias is not params.logit_bias
+
+
+def test_stop_strings_need_the_text() -> None:
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])

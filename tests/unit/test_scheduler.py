@@ -176,6 +176,7 @@ def test_preemption_when_blocks_run_out_takes_the_most_recently_admitted() -> No
     assert sum(s.num_preemptions for s in seqs) == len(trace.preempted)
 
 
+@pytest.mark.smoke
 def test_preempted_sequence_frees_its_blocks_resumes_first_and_completes() -> None:
     sched = _make(num_blocks=6, block_size=4, max_num_seqs=4, budget=64, prefix=False)
     a = _seq("a", 8, max_tokens=8)

@@ -29,7 +29,7 @@ def _rollout(llm: LLM):
                              ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
     return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs], \
-        [len(p) for p in PROMPTS], [torch.tensor(o.outputs[0].logprobs) for o in outs]
+        [len(p) for p in PROMPTS], [torch.tensor(o.outputs[0].token_logprobs) for o in outs]
 
 
 def _mismatches(tl: TrainableLM, seqs, starts, sampled) -> int:
@@ -134,6 +134,7 @@ def test_standard_mode_trainer_differs_from_its_sampler(model_dir):
     assert _mismatches(TrainableLM.from_llm(llm), seqs, starts, sampled) > 0
 
 
+@pytest.mark.smoke
 def test_trainable_lm_loads_like_llm(model_dir):
     llm = LLM(str(model_dir))
     seqs, starts, sampled = _rollout(llm)

@@ -89,7 +89,7 @@ def test_linear_split_equals_fused_and_public_api() -> None:
 
 
 def _near_equal(k: int, s: int) -> tuple[tuple[int, int], ...]:
-    from samebits.distributed.segments import row_parallel_bounds
+    from samebits.ops.backend import row_parallel_bounds
     return row_parallel_bounds(k, s)
 
 
@@ -120,6 +120,7 @@ def test_linear_k_bounds_is_the_ordered_sum_of_segments_alone(dtype, k, s) -> No
     assert torch.equal(fused, split) and torch.equal(fused, acc.to(dtype))
 
 
+@pytest.mark.smoke
 def test_negative_control_one_k_chain_differs_from_segments() -> None:
     torch.manual_seed(7)
     x = torch.randn(40, 600) * torch.logspace(0, 2, 600)

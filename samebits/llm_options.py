@@ -1,0 +1,73 @@
+"""vLLM's ``LLM(...)`` options that are not ``EngineConfig`` fields, each honoured or refused by
+name: hub ids (``revision``, ``download_dir``), ``tokenizer``, ``quantization``,
+``trust_remote_code``; and the first-run preparation of an embedding ``LLM``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from samebits.config import EngineConfig
+from samebits.engine.engine import prepare_cpu_kernels
+from samebits.log import get_logger
+
+QUANTIZATIONS = (None, "gguf")  # gguf: a .gguf file, dequantized once to ``dtype``
+log = get_logger("llm")
+_said_no_remote_code = False
+
+
+def check_options(model: str | None, quantization: str | None, trust_remote_code: bool,
+                  kwargs: dict[str, Any]) -> None:
+    """vLLM's options samebits takes, each honoured or refused by name."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"LLM() got unsupported option(s) {unknown}: samebits does not take them "
+                        f"(and never ignores an option); it takes {sorted(names)} and tokenizer, "
+                        "revision, download_dir, quantization, trust_remote_code, "
+                        "enable_sleep_mode")
+    gguf = model is None or str(model).endswith(".gguf")
+    if quantization not in QUANTIZATIONS or (quantization == "gguf" and not gguf):
+        raise ValueError(f"quantization={quantization!r} is not supported: samebits runs "
+                         "weights as stored in float32, bfloat16 or float16 (dtype=); supported "
+                         "are None and 'gguf' (a .gguf file, dequantized once at load)")
+    global _said_no_remote_code
+    if trust_remote_code and not _said_no_remote_code:
+        _said_no_remote_code = True
+        log.info("trust_remote_code=True is accepted and changes nothing: samebits never runs "
+                 "code from a checkpoint; it loads only the architectures it implements")
+
+
+def local_model(model: str | None, revision: str | None, download_dir: str | None
+                 ) -> str | None:
+    """A hub id (``org/name``) becomes its snapshot directory in the HF cache."""
+    from samebits.loader import hub
+    if model is None or Path(model).expanduser().exists() or not hub.is_repo_id(model):
+        return model
+    return str(hub.resolve(model, revision, download_dir))
+
+
+def loaded_with_tokenizer(config: EngineConfig, tokenizer: str | None, revision: str | None,
+                    download_dir: str | None):
+    """The loaded model, with ``tokenizer``'s tokenizer in place of its own (None: its own)."""
+    if tokenizer is None:
+        return None
+    from samebits.loader import load
+    from samebits.text.tokenizer import Tokenizer
+    path = Path(local_model(tokenizer, revision, download_dir)).expanduser()
+    loaded = load(config)
+    tok = Tokenizer.from_dir(path.parent if path.is_file() else path,
+                             loaded.model_config.eos_token_ids)
+    if tok is None:
+        raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer.json in {path}")
+    loaded.tokenizer = tok
+    return loaded
+
+
+def build_embedder(config: EngineConfig):
+    from samebits.decoder_embedder import DecoderEmbedder, is_decoder_model
+    from samebits.embedder import Embedder
+    if config.torch_device.type == "cpu" and config.batch_invariant:
+        prepare_cpu_kernels()
+    return (DecoderEmbedder if is_decoder_model(config) else Embedder)(config)
