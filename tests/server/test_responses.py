@@ -159,7 +159,7 @@ def test_openai_sdk_sees_the_stateless_refusal(server):
 
 
 def test_openapi_documents_the_responses_body_beside_the_chat_one(server):
-    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    spec = httpx.get(f"{server.url}/openapi.json", headers=server.headers, timeout=30).json()
     schemas = spec["components"]["schemas"]
     body = spec["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
