@@ -23,6 +23,10 @@ import torch.distributed as dist
 TIMEOUT = datetime.timedelta(minutes=30)
 
 
+# torch 2.13 names it all_gather_single (the old name warns); torch 2.11 has only the old one
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TPGroup:
     def __init__(self, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu") -> None:
@@ -54,7 +58,7 @@ class TPGroup:
             return x
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
                           device=x.device)
-        dist.all_gather_single(out, x.contiguous())
+        _ALL_GATHER(out, x.contiguous())
         return out
 
     def gather_cat(self, local: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:

@@ -167,27 +167,3 @@ def test_route_kernel_picks_the_cpu_definitions_experts(layer):
     ids = triton_moe.route(logits, TOP_K, True, True)[1]
     want = ops_moe.topk_lowest_id(torch.softmax(logits.float().cpu(), -1), TOP_K)[1]
     assert (ids.cpu() != want).any(1).float().mean() < 0.01  # softmax last-bit ties aside
-
-
-def _cublas_per_expert(x, w13, w2, logits) -> torch.Tensor:
-    """The textbook stock MoE: each expert's routed rows through cuBLAS ``F.linear`` (whose
-    kernel, and so a row's bits, follows the expert's row count), combined over k."""
-    w, ids = torch.topk(torch.softmax(logits.float(), -1), TOP_K)
-    w = w / w.sum(-1, keepdim=True)
-    out = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
-    for e in ids.unique().tolist():
-        tok, j = (ids == e).nonzero(as_tuple=True)
-        gate, up = torch.nn.functional.linear(x[tok], w13[e]).chunk(2, -1)
-        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
-        out.index_add_(0, tok, w[tok, j, None] * y.float())
-    return out.to(x.dtype)
-
-
-def test_stock_per_expert_cublas_changes_with_the_batch(layer):
-    """Negative control: the per-expert cuBLAS path gives a token other bits beside others
-    (fused ``grouped_mm`` happened to keep them on the H100 tried, so it is no control)."""
-    x, w13, w2, logits = layer
-    full = _cublas_per_expert(x, w13, w2, logits)
-    alone = torch.cat([_cublas_per_expert(x[i:i + 1], w13, w2, logits[i:i + 1])
-                       for i in range(16)])
-    assert not torch.equal(alone, full[:16])
