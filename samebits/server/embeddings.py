@@ -262,8 +262,9 @@ async def create_embedding(svc: EmbeddingService, req: EmbeddingRequest,
         raise APIError(400, f"dimensions={req.dimensions} is not supported: {svc.model_name!r} "
                        f"gives {svc.dimension}-dimensional vectors (omit dimensions)",
                        param="dimensions")
+    inputs, truncate = _inputs(req.input), _truncation(svc, req)  # 400s before any waiting
     disconnected = None if request is None else _wait_disconnect(request)
-    outputs = await svc.embed(_inputs(req.input), _truncation(svc, req), disconnected)
+    outputs = await svc.embed(inputs, truncate, disconnected)
     encode = _base64 if req.encoding_format == "base64" else list
     data = [EmbeddingData(index=i, embedding=encode(o.embedding)) for i, o in enumerate(outputs)]
     tokens = sum(o.num_tokens for o in outputs)
