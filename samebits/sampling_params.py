@@ -91,8 +91,8 @@ class SamplingParams:
         self._check_stops()
         self._check_controls()
         self._check_text()
-        self._alias_guided_decoding()
         self._check_masks()
+        self._alias_guided_decoding()
 
     def _check_choices(self) -> None:
         if not _is_int(self.n) or self.n < 1:

@@ -171,19 +171,13 @@ class GrammarCompiler:
     async def compile_async(self, spec: StructuredOutputsParams) -> Any:
         """``compile`` off the event loop, bounded by ``timeout_s`` (past it: ``ValueError``;
         the compile goes on and its result is cached for the next request)."""
+        compiled = asyncio.wrap_future(self.submit(spec))  # shared: never cancelled from here
+        compiled.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if late
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.submit(spec))),
-                                          self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(compiled), self.timeout_s)
         except TimeoutError:
             raise ValueError(f"the {_NAMES[spec.kind]} did not compile within "
                              f"{self.timeout_s:g} s; simplify it") from None
-
-    def close(self) -> None:
-        """Stop the compiler's threads (compiles in flight finish first)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, kind: str, text: str) -> Any:
         compiler = self._xgr()

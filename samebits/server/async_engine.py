@@ -121,7 +121,7 @@ class AsyncEngine:
             self._thread_core = _ThreadCore(engine, canary_rate)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued = 0  # engine requests submitted and not yet running
-        self._groups: dict[str, RequestGroup] = {}  # request id -> its group, until it finishes
+        self._groups: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index)
         self._admissions: dict[int, tuple[asyncio.Future, RequestGroup]] = {}
         self._updates: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -158,11 +158,11 @@ class AsyncEngine:
         """Why the engine takes no work (a step failed, or the core stopped); None while it
         does."""
         if self._error is None and self._core is not None and not self._core.alive:
-            return self._stopped
+            return self._stopped_message
         return self._error
 
     @property
-    def _stopped(self) -> str:
+    def _stopped_message(self) -> str:
         where = "thread" if isinstance(self.engine, LLMEngine) else "process"
         return f"the engine {where} stopped"
 
@@ -179,7 +179,7 @@ class AsyncEngine:
         self._reserve(len(group.request_ids))
         group_id, done = next(self._ids), self._loop.create_future()
         self._admissions[group_id] = (done, group)
-        self._groups.update(dict.fromkeys(group.request_ids, group))
+        self._groups.update((rid, (group, i)) for i, rid in enumerate(group.request_ids))
         self._core.send(AddGroup(group_id, group.request_ids, group.prompts, group.params,
                                  group.seed_offsets, group.stream, group.cache_salt,
                                  group.score_only, group.arrival))
@@ -233,15 +233,17 @@ class AsyncEngine:
             else:
                 self._weights_updated(reply)
         groups = self._groups
-        for request_id, delta in outputs.deltas:
-            last = delta.output is not None or delta.error is not None
-            group = groups.pop(request_id, None) if last else groups.get(request_id)
-            if group is None:
-                continue  # aborted: its caller has gone
-            if delta.output is not None:
-                group.cached_tokens[delta.index] = delta.cached_tokens
-                group.prompt_logprobs[delta.index] = delta.prompt_logprobs
-            group.queue.put_nowait(delta)
+        for request_id, token_ids, logprobs, top, text in outputs.tokens:
+            if (entry := groups.get(request_id)) is not None:  # else aborted: its caller left
+                group, index = entry
+                group.queue.put_nowait(Delta(index, token_ids, logprobs, top, text=text))
+        for request_id, delta in outputs.last:
+            if (entry := groups.pop(request_id, None)) is not None:
+                group = entry[0]
+                if delta.output is not None:
+                    group.cached_tokens[delta.index] = delta.cached_tokens
+                    group.prompt_logprobs[delta.index] = delta.prompt_logprobs
+                group.queue.put_nowait(delta)
         self._record(outputs.stats)
 
     def _admitted(self, reply: Admitted) -> None:
@@ -288,16 +290,16 @@ class AsyncEngine:
 
     def _core_gone(self) -> None:
         """The core stopped: whatever still waits for it fails."""
-        self._error = self._error or self._stopped
+        self._error = self._error or self._stopped_message
         for done, _ in self._admissions.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         for done in self._updates.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         self._admissions.clear()
         self._updates.clear()
-        for group in {id(g): g for g in self._groups.values()}.values():
+        for group in {id(g): g for g, _ in self._groups.values()}.values():
             group.queue.put_nowait(Delta(0, [], [], [], error="the engine stopped"))
         self._groups.clear()
 

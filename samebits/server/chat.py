@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages -> the model's chat template -> n choices.
 
 vLLM's chat extensions: ``add_generation_prompt`` / ``continue_final_message`` (render the
-conversation and continue its last message, cut right after that message's content), ``echo``
+conversation and continue its last message: samebits.text.chat_template), ``echo``
 (the reply starts with the last message's content when that message has the reply's role, as
 vLLM), ``prompt_logprobs`` (top level, vLLM's shape), ``return_token_ids``. Legacy
 ``functions`` / ``function_call`` run as tools; their calls come back in the legacy shape
@@ -135,22 +135,11 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set from the request "
                        "itself", param="chat_template_kwargs")
     try:
-        text = render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
-                           add_generation_prompt=req.add_generation_prompt)
+        return render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return _continued(text, req.messages[-1].text()) if req.continue_final_message else text
-
-
-def _continued(text: str, final: str) -> str:
-    """The rendered conversation cut right after its last message's content (as transformers'
-    ``continue_final_message``), so the reply continues that message."""
-    for content in (final, final.strip()):
-        if content and content in text:
-            return text[:text.rindex(content) + len(content)]
-    raise APIError(400, "continue_final_message: the last message's content does not appear in "
-                   "the rendered conversation (it is empty, or the chat template changes it)",
-                   param="continue_final_message")
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

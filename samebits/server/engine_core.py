@@ -7,9 +7,10 @@ step, then the turn's statistics for the metrics. The same loop runs in a thread
 process or in a process of its own (samebits.server.engine_process); nothing it sends depends on
 which, and nothing here can change a bit of what the engine computes.
 
-Streamed requests get a ``Delta`` every step they progress; the others one ``Delta`` when they
-finish. Finished requests are offered to the determinism canary, which replays them when the
-engine is idle (samebits.server.canary).
+A streamed request's new tokens go out every step it progresses, as a plain tuple (``TokenRow``:
+cheap to pickle, and rebuilt into a ``Delta`` on the event loop); every request's last ``Delta``
+carries its result. Finished requests are offered to the determinism canary, which replays them
+when the engine is idle (samebits.server.canary).
 """
 
 from __future__ import annotations
@@ -119,14 +120,20 @@ class CoreStats:
     error: str | None = None  # set once a step has failed: the core takes no new work
 
 
+# a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs,
+# its new output text)
+TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str]
+
+
 @dataclass
 class CoreOutputs:
     replies: list[Admitted | WeightsUpdated] = field(default_factory=list)
-    deltas: list[tuple[str, Delta]] = field(default_factory=list)  # (request id, delta)
+    tokens: list[TokenRow] = field(default_factory=list)  # streamed requests that go on
+    last: list[tuple[str, Delta]] = field(default_factory=list)  # (request id, its last delta)
     stats: CoreStats = field(default_factory=CoreStats)
 
     def __bool__(self) -> bool:
-        return bool(self.replies or self.deltas)
+        return bool(self.replies or self.tokens or self.last)
 
 
 class Inbox(Protocol):
@@ -337,7 +344,7 @@ class EngineCore:
             if seq.request_id in self._tracked:
                 self._fail(seq.request_id, message)
             else:  # it failed after leaving the tracked set: tell its caller all the same
-                self._out.deltas.append((seq.request_id, Delta(t.index, [], [], [],
+                self._out.last.append((seq.request_id, Delta(t.index, [], [], [],
                                                                error=message)))
 
     def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
@@ -352,7 +359,7 @@ class EngineCore:
                 stats.itl.append(now - t.last_token)
             t.seen, t.last_token = total, now
         if seq.is_finished:
-            self._out.deltas.append((seq.request_id, self._last_delta(seq, t)))
+            self._out.last.append((seq.request_id, self._last_delta(seq, t)))
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             stats.finished[seq.finish_reason or "unknown"] += 1
@@ -360,9 +367,8 @@ class EngineCore:
         elif t.stream and total > t.sent:
             s = slice(t.sent, total)
             t.sent = total
-            self._out.deltas.append((seq.request_id, Delta(
-                t.index, seq.output_token_ids[s], seq.logprobs[s], seq.top_logprobs[s],
-                text=self.engine.output.stream_text(seq))))
+            self._out.tokens.append((seq.request_id, seq.output_token_ids[s], seq.logprobs[s],
+                                     seq.top_logprobs[s], self.engine.output.stream_text(seq)))
 
     def _last_delta(self, seq: Sequence, t: _Tracked) -> Delta:
         s = slice(t.sent, len(seq.output_token_ids))
@@ -378,7 +384,7 @@ class EngineCore:
             return
         self._untrack(seq.request_id)
         self._out.stats.finished[seq.finish_reason or "unknown"] += 1
-        self._out.deltas.append((seq.request_id, Delta(t.index, [], [], [],
+        self._out.last.append((seq.request_id, Delta(t.index, [], [], [],
                                                        PoolingOutput(seq.embedding))))
 
     def _fail(self, request_id: str, message: str, status: int = 500) -> None:
@@ -389,8 +395,8 @@ class EngineCore:
         except Exception:  # the engine is in a bad state; the request is dropped either way
             log.exception("abort of %s failed", request_id)
         self._out.stats.finished["error"] += 1
-        self._out.deltas.append((request_id, Delta(t.index, [], [], [], error=message,
-                                                   error_status=status)))
+        self._out.last.append((request_id, Delta(t.index, [], [], [], error=message,
+                                                 error_status=status)))
 
     def _shut_down(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
         """Fail what is in flight and what is still queued: no caller waits forever."""

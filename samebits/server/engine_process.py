@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import pickle
+import queue
 import signal
 import threading
 import traceback
@@ -169,6 +170,29 @@ def _send(conn: Connection, message: Any) -> None:
         pass
 
 
+class _Outbox:
+    """The core's outputs, pickled and sent by a thread of their own: the engine's loop hands
+    each ``CoreOutputs`` over and steps on (the pickling runs while the engine waits for the
+    device, as vLLM's output thread does). ``close`` sends what is left, then returns."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(conn,),
+                                        name="samebits-engine-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, outputs: CoreOutputs) -> None:
+        self._queue.put(outputs)
+
+    def _run(self, conn: Connection) -> None:
+        while (outputs := self._queue.get()) is not None:
+            _send(conn, outputs)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
 def _portable(error: BaseException) -> BaseException:
     """``error`` if it survives pickling, else a RuntimeError with its message."""
     try:
@@ -196,5 +220,9 @@ def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str
     inbox = _PipeInbox(conn)
     start = inbox.get(True)
     if isinstance(start, _Start):
-        EngineCore(engine, start.canary_rate).run(inbox, lambda out: _send(conn, out))
+        outbox = _Outbox(conn)
+        try:
+            EngineCore(engine, start.canary_rate).run(inbox, outbox.put)
+        finally:
+            outbox.close()
     conn.close()

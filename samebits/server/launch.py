@@ -7,13 +7,11 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
-from pathlib import Path
 
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
-from samebits.loader import load, resolve_model_dir
+from samebits.llm_options import loaded_with_tokenizer
 from samebits.server.engine_process import EngineProcess
-from samebits.text.tokenizer import Tokenizer
 
 # vLLM flags samebits accepts with no effect, and why (each is logged once at start)
 NO_EFFECT = {
@@ -71,16 +69,7 @@ def load_engine(args: argparse.Namespace) -> LLMEngine | EngineProcess:
 
 
 def engine_with_tokenizer(config: EngineConfig, tokenizer: str | None) -> LLMEngine:
-    """An engine; with ``tokenizer`` (a directory, model file or id), that tokenizer instead of
-    the model's (one rank only: under tensor parallel each rank loads its own shard)."""
-    if tokenizer is None:
-        return LLMEngine(config)
-    loaded = load(config)
-    path = Path(tokenizer).expanduser()
-    if not path.is_dir():  # a model file or id: the directory the loader resolves it to
-        path = resolve_model_dir(tokenizer)
-    tok = Tokenizer.from_dir(path, loaded.model_config.eos_token_ids)
-    if tok is None:
-        raise ValueError(f"--tokenizer {tokenizer}: no tokenizer.json there")
-    loaded.tokenizer = tok
-    return LLMEngine(config, loaded)
+    """An engine; with ``tokenizer`` (a directory or a hub id), that tokenizer instead of the
+    model's (as ``LLM(tokenizer=...)``; one rank only: under tensor parallel each rank loads its
+    own shard)."""
+    return LLMEngine(config, loaded_with_tokenizer(config, tokenizer, None, None))

@@ -119,6 +119,8 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
     except QueueFull as e:
         raise APIError(503, str(e), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except RuntimeError as e:  # the engine takes no work (it stopped, or a step failed)
+        raise APIError(503, str(e), code="server_unavailable") from None
     return group.seed
 
 

@@ -104,7 +104,9 @@ def test_help_names_no_internal_classes(command, capsys):
         assert internal not in out, internal
 
 
-def test_max_model_len_over_the_models_limit_names_both(tiny_config, capsys):
+def test_max_model_len_over_the_models_limit_names_both(tiny_config, monkeypatch, capsys):
+    from samebits.server import lifecycle
+    monkeypatch.setattr(lifecycle, "run", lambda *a, **k: pytest.fail("the server started"))
     assert main(["serve", tiny_config, "--load-format", "dummy", "--max-model-len", "100000",
                  "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err

@@ -14,7 +14,15 @@ from samebits import LLM
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.sampling_params import SamplingParams
-from samebits.server.engine_core import Abort, AddGroup, Admitted, CoreOutputs, EngineCore, Stop
+from samebits.server.engine_core import (
+    Abort,
+    AddGroup,
+    Admitted,
+    CoreOutputs,
+    Delta,
+    EngineCore,
+    Stop,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -59,10 +67,13 @@ def _run(engine: LLMEngine, commands: list) -> list[CoreOutputs]:
     return outs
 
 
-def _deltas(outs: list[CoreOutputs]) -> dict[str, list]:
-    by_id: dict[str, list] = {}
+def _deltas(outs: list[CoreOutputs]) -> dict[str, list[Delta]]:
+    """Each request's deltas in order (its progress rows as deltas, then its last one)."""
+    by_id: dict[str, list[Delta]] = {}
     for out in outs:
-        for request_id, delta in out.deltas:
+        for request_id, token_ids, logprobs, top, text in out.tokens:
+            by_id.setdefault(request_id, []).append(Delta(-1, token_ids, logprobs, top, text=text))
+        for request_id, delta in out.last:
             by_id.setdefault(request_id, []).append(delta)
     return by_id
 
@@ -83,10 +94,10 @@ def test_core_hands_back_the_engines_bits_per_step_when_streamed_else_once(confi
     expected = [offline[0].outputs[0], *offline[1].outputs]
     got = [steps[-1].output, deltas["g1-0-0"][0].output, deltas["g1-0-1"][0].output]
     for g, e in zip(got, expected, strict=True):
-        assert (g.token_ids, g.logprobs, g.top_logprobs, g.seed) == \
-            (e.token_ids, e.logprobs, e.top_logprobs, e.seed)
+        assert (g.token_ids, g.token_logprobs, g.top_logprobs, g.seed) == \
+            (e.token_ids, e.token_logprobs, e.top_logprobs, e.seed)
     assert [t for d in steps for t in d.token_ids] == got[0].token_ids
-    assert [x for d in steps for x in d.logprobs] == got[0].logprobs
+    assert [x for d in steps for x in d.logprobs] == got[0].token_logprobs
     stats = [o.stats for o in outs]
     assert sum(s.dequeued for s in stats) == 3
     assert sum(s.generation_tokens for s in stats) == 6 + 5 + 5

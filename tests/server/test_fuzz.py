@@ -2,9 +2,10 @@
 process (its engine loop live) -- raw bytes, arbitrary JSON, and valid requests with fields set to
 wrong types, huge and non-finite numbers (``1e400``), unicode edge cases (lone surrogates, NUL,
 RTL marks, long runs), deep nesting, reserved ``chat_template_kwargs`` keys and hostile output
-constraints -- on every body endpoint. No response (nor any stream event) is a server error, and
-a fixed request returns the same bits after the fuzzing as before it. The default suite runs a
-fixed, derandomised sample; ``-m slow`` runs a larger random one."""
+constraints -- on every body endpoint (completions, chat, embeddings, /tokenize, /detokenize).
+No response (nor any stream event) is a server error, and a fixed request returns the same bits
+after the fuzzing as before it. The default suite runs a fixed, derandomised sample; ``-m slow``
+runs a larger random one."""
 
 from __future__ import annotations
 
@@ -17,17 +18,19 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from samebits.llm import LLM
 from samebits.server.app import build_app
 from samebits.server.limits import ServerLimits
 from samebits.server.output_hash import HEADER
 from tests.server.inprocess import MODEL, tiny_engine
 
-CMPL, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", \
-    "/detokenize"
+CMPL, CHAT, EMBED = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 BASE = {
     CMPL: {"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "seed": 1},
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
            "seed": 1},
+    EMBED: {"input": "Hello there"},
     TOKENIZE: {"prompt": "Hello there"},
     DETOKENIZE: {"tokens": [1, 2, 3]},
 }
@@ -42,6 +45,8 @@ FIELDS = {
            "stop", "n", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
            "chat_template_kwargs", "response_format", "structured_outputs", "guided_json",
            "stream", "min_tokens", "repetition_penalty", "parallel_tool_calls", "model"],
+    EMBED: ["input", "model", "encoding_format", "dimensions", "user", "truncate",
+            "truncate_prompt_tokens"],
     TOKENIZE: ["prompt", "messages", "add_special_tokens", "add_generation_prompt",
                "return_token_strs", "model"],
     DETOKENIZE: ["tokens", "model"],
@@ -145,8 +150,9 @@ def _special(field: str) -> st.SearchStrategy:
             ["user", "system", "assistant", "tool", "developer", "root"]), "content": st.one_of(
                 STRINGS, st.just([{"type": "text", "text": "hi"}]), st.just([{"type": "image"}]),
                 NUMBERS)}), max_size=3), DEEP)
-    if field in ("prompt", "tokens"):
-        return st.one_of(st.lists(st.integers(-5, 50000), max_size=4),
+    if field in ("prompt", "tokens", "input"):
+        return st.one_of(st.lists(st.integers(-5, 50000), max_size=4), st.lists(STRINGS,
+                                                                                max_size=3),
                          st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=3),
                          st.just(list(range(60))), st.just([0] * 40000), DEEP)
     return st.nothing()
@@ -164,6 +170,8 @@ PLAUSIBLE = {  # values in or near the valid range, so that mutated requests als
     "stream": st.booleans(), "echo": st.booleans(), "ignore_eos": st.booleans(),
     "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans(),
     "return_token_strs": st.booleans(), "cache_salt": st.text(min_size=1, max_size=5),
+    "truncate": st.booleans(), "truncate_prompt_tokens": st.integers(-1, 300),
+    "encoding_format": st.sampled_from(["float", "base64"]),
     "stop": st.lists(st.text(max_size=3), max_size=3),
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), SIGNED, max_size=3),
 }
@@ -186,7 +194,7 @@ def mutated(draw, path: str) -> bytes:
 RAW_BODIES = st.one_of(st.binary(max_size=64), st.sampled_from([
     b"", b"{", b"[]", b"null", b"1e400", b'{"prompt": "hi"', b"\xff\xfe", b'"\\ud800"',
     b'{"prompt": "hi", "prompt": 1}', b"{}" * 1000]), JSON.map(dumps), DEEP.map(dumps))
-PATHS = st.sampled_from([CMPL, CHAT, TOKENIZE, DETOKENIZE])
+PATHS = st.sampled_from([CMPL, CHAT, EMBED, TOKENIZE, DETOKENIZE])
 FIXED = {"model": MODEL, "prompt": "The same bits", "max_tokens": 6, "temperature": 0.8,
          "seed": 7, "logprobs": 1}
 
@@ -194,7 +202,9 @@ FIXED = {"model": MODEL, "prompt": "The same bits", "max_tokens": 6, "temperatur
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     engine = tiny_engine(tmp_path_factory.mktemp("fuzz"), max_model_len=64)
-    app = build_app(engine, MODEL, limits=ServerLimits(max_request_bytes=1 << 20))
+    embed_engine = LLM(task="embed").engine  # the default embedding model (its tokenizer too)
+    app = build_app(engine, MODEL, embed_engine=embed_engine,
+                    limits=ServerLimits(max_request_bytes=1 << 20))
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 

@@ -112,6 +112,25 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(server):
     assert e.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_text_options_reach_the_output_whole_and_streamed(server):
+    client = server.client()
+    special = dict(GREEDY, max_tokens=2, extra_body={"allowed_token_ids": [1]})  # <|im_start|>
+    assert client.completions.create(**special).choices[0].text == ""
+    kept = dict(GREEDY, max_tokens=2, extra_body={"allowed_token_ids": [1],
+                                                  "skip_special_tokens": False})
+    assert client.completions.create(**kept).choices[0].text == "<|im_start|>" * 2
+    stop = dict(GREEDY, stop=[" cat"], max_tokens=12)
+    cut = client.completions.create(**stop).choices[0]
+    kept_stop = client.completions.create(**stop, extra_body={
+        "include_stop_str_in_output": True}).choices[0]
+    assert cut.finish_reason == kept_stop.finish_reason == "stop"
+    assert kept_stop.text == cut.text + " cat"
+    streamed = _stream_chunks(server, "/v1/completions", dict(
+        model=MODEL, prompt=PROMPT, temperature=0.0, stop=[" cat"], max_tokens=12,
+        include_stop_str_in_output=True))
+    assert "".join(c["choices"][0]["text"] for c in streamed) == kept_stop.text
+
+
 def test_echo_streams_the_prompt_first(server):
     whole = server.client().completions.create(**GREEDY, echo=True).choices[0]
     chunks = _stream_chunks(server, "/v1/completions", dict(GREEDY, echo=True))

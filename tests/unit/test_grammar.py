@@ -117,7 +117,6 @@ def test_concurrent_requests_share_one_compile_in_the_compilers_own_threads(comp
     a, b = fresh.submit(spec), fresh.submit(spec)
     assert a is b
     assert a.result(timeout=60) is fresh.compile(spec)
-    fresh.close()
 
 
 def test_compile_past_the_time_limit_is_a_value_error(compiler):
@@ -126,7 +125,6 @@ def test_compile_past_the_time_limit_is_a_value_error(compiler):
                                                       for i in range(200)}})
     with pytest.raises(ValueError, match="did not compile within 0.0001 s"):
         asyncio.run(slow.compile_async(spec))
-    slow.close()
 
 
 class _Stuck:
