@@ -153,6 +153,9 @@ async def _first(work, watcher: asyncio.Future | None):
     """``work``'s result, or a 499 if ``watcher`` completes first."""
     if watcher is None:
         return await work
+    if watcher.done():  # checked first: results already queued must not hide a departure
+        work.close()
+        raise APIError(499, "client disconnected")
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if task not in done:
