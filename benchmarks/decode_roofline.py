@@ -32,7 +32,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads from the weights: all of them but an untied embedding table."""
     total = 0
     for name, p in model.named_parameters():
-        if name == "embed_tokens" and getattr(model, "lm_head", None) is not None:
+        if name == "embed_tokens.weight" and not model.lm_head.tied:
             total += p.shape[1] * p.element_size()
             continue
         total += p.numel() * p.element_size()

@@ -14,7 +14,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from samebits.distributed.segments import row_parallel_bounds
+from samebits.ops.backend import row_parallel_bounds
 from samebits.ops.triton import linear as L
 
 SHAPES = {"o_proj": (4096, 4096), "down_proj": (12288, 4096)}  # (K, N)

@@ -24,12 +24,12 @@ _LAZY = {
     "SamplingParams": "samebits.sampling_params",
     "GuidedDecodingParams": "samebits.sampling_params",
     "StructuredOutputsParams": "samebits.structured_outputs",
-    "batch_invariant": "samebits.ops.override",
+    "batch_invariant": "samebits.models.hf_route",
 }
 
 if TYPE_CHECKING:
     from samebits.llm import LLM
-    from samebits.ops.override import batch_invariant
+    from samebits.models.hf_route import batch_invariant
     from samebits.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,

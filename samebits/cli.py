@@ -14,6 +14,7 @@ import sys
 from tqdm import tqdm
 
 from samebits.config import EngineConfig, ModelFormatError
+from samebits.server import limits as server_limits
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
@@ -121,6 +122,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "time, comparing output hashes (0 turns it off)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="server log level")
+    server_limits.add_cli_args(p)
 
 
 def _rate(text: str) -> float:

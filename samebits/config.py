@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from samebits import env
-from samebits.models.registry import DECODER_ARCHITECTURES, ENCODER_ARCHITECTURES  # noqa: F401
 
 # CPU default prefill chunk: keeps one chunk of the default model (with a few thousand tokens of
 # context before it) near or under a second on 2 cores (benchmarks/RESULTS.md, prefill gap)
 CPU_LONG_PREFILL_TOKENS = 128
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache of a CPU rank without kv_cache_memory_bytes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +30,10 @@ class ModelFormatError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The decoder's shape, read from an HF ``config.json``."""
+    """The decoder's shape, read from an HF ``config.json``. Which architectures exist and their
+    quirks (q/k norm, the defaults of the fields left None here) are the architecture table's
+    (``samebits.models.registry``); a subclass adds the fields of its architecture
+    (``_fields``)."""
 
     architecture: str
     vocab_size: int
@@ -44,9 +47,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, some Llamas)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # None where config.json does not say: the architecture's default (its registry entry)
+    tie_word_embeddings: bool | None = None
+    attention_bias: bool | None = None  # q/k/v projections carry a bias
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -65,25 +68,23 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in DECODER_ARCHITECTURES:
-            raise ModelFormatError(
-                f"{source}: unsupported architecture {arch!r}; samebits supports "
-                f"{', '.join(DECODER_ARCHITECTURES)}")
+        if not archs:
+            raise ModelFormatError(f"{source}: no 'architectures' entry")
         try:
-            return cls._parse(cfg, arch)
+            return cls(**cls._fields(cfg, archs[0]))
         except KeyError as e:
             raise ModelFormatError(f"{source}: missing field {e.args[0]!r}") from None
 
     @classmethod
-    def _parse(cls, cfg: dict[str, Any], arch: str) -> ModelConfig:
+    def _fields(cls, cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+        """The constructor's arguments from config.json (a subclass adds its own)."""
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                               else None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        return dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -96,9 +97,8 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=dict(scaling) if scaling else None,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=_flag(cfg.get("tie_word_embeddings")),
+            attention_bias=_flag(cfg.get("attention_bias")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -108,6 +108,10 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
         return cls.from_dict(read_json(path), str(path))
+
+
+def _flag(value: Any) -> bool | None:
+    return None if value is None else bool(value)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -146,15 +150,16 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA see the next field
-    # CUDA, vLLM's meaning: the share of the GPU's total memory this engine may hold (weights,
-    # activations, CUDA graphs and KV cache; the KV cache gets the rest, within what is free).
-    # None: the KV cache takes 90% of the memory free after loading. No effect on CPU, where the
-    # KV cache is 1 GiB unless kv_cache_memory_bytes or num_kv_blocks say otherwise.
-    gpu_memory_utilization: float | None = None
+    # KV cache bytes per rank; None: sized from gpu_memory_utilization (engine.runner)
+    kv_cache_memory_bytes: int | None = None
+    # vLLM's meaning, per rank: the share of the device's total memory this engine may use --
+    # weights, activations, CUDA graphs and the KV cache, which gets what the others leave.
+    # On CPU there is no device to fill: it caps the KV cache (CPU_KV_CACHE_BYTES per rank) at
+    # this share of the host memory available when the engine starts
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # KV tokens per attention split (design.md section 1 says 256; 128 measured better on Hopper:
-    # decode at batch 1 / 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
+    # KV tokens per attention split (128 measured better on Hopper than 256: decode at batch 1 /
+    # 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
     attention_split_size: int = 128
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
     # CUDA graphs: a decode step's successor is launched before the step's tokens reach the host
@@ -165,9 +170,11 @@ class EngineConfig:
     # most one such chunk; None: CPU_LONG_PREFILL_TOKENS on CPU, no cap (the step budget) on CUDA
     long_prefill_token_threshold: int | None = None
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
-    # ranks the model is sharded over (samebits.distributed); 1: one device. The invariant
-    # arithmetic is the segmented one on every N, so N = 1, 2, ... dividing the KV heads give the
-    # same bits (the standard mode promises nothing across N)
+    # ranks the model is sharded over (samebits.models.parallel; ranks 1.. are spawned
+    # processes, samebits.engine.executor); 1: one device. Under tensor parallel the invariant
+    # arithmetic is the segmented one, so every N dividing the KV heads gives the same bits, and
+    # those of one device where its backend runs the segments too (``row_parallel_segments``:
+    # the CPU backend); the standard mode promises nothing across N
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -183,13 +190,13 @@ class EngineConfig:
                      "attention_split_size"):
             _positive(name, getattr(self, name))
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
-        util = self.gpu_memory_utilization
-        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float)
-                                 or not 0 < util <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold,
                   allow_none=True)
         if self.attention_split_size % 16:
@@ -242,11 +249,12 @@ class EngineConfig:
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length; None: the model's own limit")
         p.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV cache blocks; None: sized to 1 GiB on CPU, on CUDA by "
-                       "--gpu-memory-utilization")
-        p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                       help="CUDA: share of the GPU's total memory this engine may hold (vLLM's "
-                       "meaning); None: the KV cache takes 90%% of what is free after loading")
+                       help="KV cache blocks; None: sized from --gpu-memory-utilization")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                       help="share of each GPU's total memory the engine may use (weights, "
+                       "activations, CUDA graphs, KV cache: the cache gets the rest), per rank; "
+                       "on CPU the KV cache is 1 GiB per rank, at most this share of the free "
+                       "host memory")
         p.add_argument("--no-prefix-caching", action="store_true",
                        help="never reuse cached KV blocks of a shared prefix")
         p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",

@@ -180,8 +180,7 @@ class LLM:
     def named_weights(self):
         """(Hugging Face name, tensor view) of every weight, q/k/v and gate/up unfused."""
         self._require_generate()
-        from samebits.models.weights import WeightMap
-        return WeightMap(self.engine.loaded.model).named_weights()
+        return self.engine.runner.named_weights()
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory between rollouts (needs ``enable_sleep_mode=True``): level 1 the

@@ -10,8 +10,9 @@
 
 Each replica (Ray actor) holds one ``LLM``; every batch reads the ``prompt`` column (text, or
 token ids) and adds ``generated_text``, ``token_ids`` (int64), ``logprobs`` (float32: the exact
-fp32 values) and ``seed``. Because a request's bits do not depend on its batch (design.md section
-1), the rows equal one local ``LLM.generate`` whatever the number of replicas and the batch size.
+fp32 values) and ``seed``. Because a request's bits do not depend on its batch (the invariance
+contract of ``samebits.ops.backend``), the rows equal one local ``LLM.generate`` whatever the
+number of replicas and the batch size.
 
 The seed of a row: its own ``seed`` column when the dataset has one, else ``sampling_params``'
 seed, else one derived from the prompt (sha256), never a draw that depends on which replica or

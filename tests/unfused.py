@@ -26,7 +26,7 @@ def _attention(attn: Attention, ops: OpBackend, h: torch.Tensor, cos: torch.Tens
                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:
     t, hq, hkv, d = h.shape[0], attn.hq, attn.hkv, attn.d
-    qkv = ops.linear(h, attn.qkv_proj, attn.qkv_bias)
+    qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
     if attn.q_norm is not None:
@@ -35,8 +35,8 @@ def _attention(attn: Attention, ops: OpBackend, h: torch.Tensor, cos: torch.Tens
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
     o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, d ** -0.5)
-    bounds = attn.o_bounds if ops.row_parallel_segments else None
-    return ops.linear(o.reshape(t, hq * d), attn.o_proj, k_bounds=bounds)
+    bounds = attn.o_proj.segments(ops)
+    return ops.linear(o.reshape(t, hq * d), attn.o_proj.weight, k_bounds=bounds)
 
 
 def stock_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -50,10 +50,10 @@ def _layer(layer: DecoderLayer, ops: OpBackend, h: torch.Tensor, cos: torch.Tens
                    sin, kv_cache, meta)
     h = h + a
     mlp, x = layer.mlp, ops.rms_norm(h, layer.post_attention_layernorm, layer.eps)
-    gate, up = ops.linear(x, mlp.gate_up_proj, mlp.gate_up_bias).chunk(2, dim=-1)
-    bounds = mlp.down_bounds if ops.row_parallel_segments else None
+    gate, up = ops.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
+    bounds = mlp.down_proj.segments(ops)
     act = silu_mul(gate, up) if bounds is None else ops.silu_mul(gate, up, bounds)
-    return h + ops.linear(act, mlp.down_proj, mlp.down_bias, k_bounds=bounds)
+    return h + ops.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, k_bounds=bounds)
 
 
 def unfused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -61,7 +61,7 @@ def unfused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions:
                     silu_mul: Callable = stock_silu_mul) -> torch.Tensor:
     """``model.forward``'s hidden states, computed the unfused way (``silu_mul``: the MLP's
     activation where the model runs one K chain; the Triton interpreter's tests pass its exp)."""
-    h = F.embedding(input_ids, model.embed_tokens)
+    h = F.embedding(input_ids, model.embed_tokens.weight)
     cos = model.rope_cos[positions].to(h.dtype)
     sin = model.rope_sin[positions].to(h.dtype)
     for layer, kv_cache in zip(model.layers, kv_caches, strict=True):

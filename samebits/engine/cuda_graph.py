@@ -266,7 +266,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.carry = None  # h, residual handed from one piece to the next
         if hasattr(model, "run_layers"):
-            p, rows = model.embed_tokens, batch_bucket(max_batch)
+            p, rows = model.embed_tokens.weight, batch_bucket(max_batch)
             self.carry = (p.new_empty(rows, p.shape[1]), p.new_empty(rows, p.shape[1]))
         sizes, lens = self.buckets(max_batch, max_len, split_size)
         self.staging = Staging(max(sizes) * (4 + -(-max(lens) // block_size)),

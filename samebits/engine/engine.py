@@ -8,7 +8,6 @@ sequences into what callers read.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections.abc import Iterator
@@ -18,14 +17,15 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine.context_length import check_context_length
+from samebits.engine.executor import start_runner
 from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.output_processor import OutputProcessor
-from samebits.engine.runner import ModelRunner, ScoredSpan, StepResult
+from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import Sequence
-from samebits.loader import LoadedModel, load, numerics_fingerprint, updated_digest
+from samebits.loader import LoadedModel, numerics_fingerprint, updated_digest
 from samebits.log import get_logger
 from samebits.models.weights import update_weights
 from samebits.outputs import RequestMetrics
@@ -50,29 +50,25 @@ class LLMEngine:
     progress; finished ones are forgotten by the engine once returned), ``output`` (the
     ``OutputProcessor`` that turns a sequence into a ``CompletionOutput`` and its prompt
     logprobs), ``has_unfinished``, ``stats``, ``update_weights``, ``sleep`` / ``wake_up``, and for
-    pausing a request mid-way ``park`` / ``unpark`` / ``parked_blocks_needed`` /
-    ``prefix_cache_bypassed``. Not thread-safe: one thread drives it."""
+    pausing a request mid-way ``park`` / ``unpark`` / ``parked_blocks_needed``. Not thread-safe:
+    one thread drives it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load(config)
+        self.runner = start_runner(config, loaded)  # and ranks 1..N-1 under tensor parallel
+        self.loaded = self.runner.loaded
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
         self.max_model_len = self.loaded.max_model_len
         self.output = OutputProcessor(self.tokenizer)
         self.asleep: set[str] = set()  # what sleep() released: "kv_cache", "weights"
-        self.runner = ModelRunner(self.loaded, config)
         if self.runner.device.type == "cpu" and config.batch_invariant:
             prepare_cpu_kernels()  # before the first request, so it runs at warm speed
-        if config.tensor_parallel_size > 1:
-            from samebits.distributed import enable_tensor_parallel
-            enable_tensor_parallel(self.runner, self.loaded, config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
                                    config.prefill_chunk_tokens)
         self.requests: dict[str, Sequence] = {}
-        self._parked: dict[str, bool] = {}  # parked request id -> it was running (holds blocks)
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
@@ -96,12 +92,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    score_only: bool = False, index: int = 0, cache_salt: str | None = None
-                    ) -> Sequence:
+                    score_only: bool = False, index: int = 0, cache_salt: str | None = None,
+                    bypass_prefix_cache: bool = False) -> Sequence:
         """Validate and queue a request (choice ``index`` of its prompt); a bad one raises
         ``ValueError`` and changes nothing. Without a seed, one is drawn (``draw_seed``).
         ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
-        (None is a salt of its own); it never changes the bits, only what may be reused."""
+        (None is a salt of its own); it never changes the bits, only what may be reused.
+        ``bypass_prefix_cache``: the request neither reads nor fills the prefix cache."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_awake()
@@ -114,6 +111,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        request_seed(params, self.draw_seed), score_only=score_only, index=index,
                        stop_ids=self._stop_ids(params), grammar=grammar, cache_salt=cache_salt,
+                       bypass_prefix_cache=bypass_prefix_cache,
                        metrics=RequestMetrics(arrival_time=time.time()))
         if not score_only:
             seq.detokenizer = self.output.text_for(params)
@@ -177,8 +175,6 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Finish the request (parked or not) and free its KV blocks; unknown ids are ignored."""
-        if request_id in self._parked:
-            self.unpark(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
@@ -187,33 +183,15 @@ class LLMEngine:
     # ---- parked requests (the server's determinism canary pauses its replays) ---------------
     def park(self, request_id: str) -> None:
         """Take an unfinished request out of scheduling, keeping its progress and KV blocks:
-        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` (back to the
-        queue it left, running or waiting) or ``abort``."""
-        seq, sched = self.requests[request_id], self.scheduler
-        running = seq in sched.running
-        (sched.running if running else sched.waiting).remove(seq)
-        self._parked[request_id] = running
+        steps skip it and ``has_unfinished`` no longer counts it, until ``unpark`` or ``abort``."""
+        self.scheduler.pause(self.requests[request_id])
 
     def unpark(self, request_id: str) -> None:
-        running = self._parked.pop(request_id)
-        (self.scheduler.running if running else self.scheduler.waiting).append(
-            self.requests[request_id])
+        self.scheduler.resume(self.requests[request_id])
 
     def parked_blocks_needed(self) -> bool:
-        """Whether parked requests hold KV blocks the queue waits for: one was parked running
-        (it holds blocks), nothing runs, and requests wait."""
-        sched = self.scheduler
-        return any(self._parked.values()) and not sched.running and bool(sched.waiting)
-
-    @contextlib.contextmanager
-    def prefix_cache_bypassed(self) -> Iterator[None]:
-        """Steps inside neither read nor fill the prefix cache (a replay computes everything)."""
-        saved = self.kv.enable_prefix_caching
-        self.kv.enable_prefix_caching = False
-        try:
-            yield
-        finally:
-            self.kv.enable_prefix_caching = saved
+        """Whether parked requests hold KV blocks the queue waits for."""
+        return self.scheduler.paused_blocks_needed()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -319,7 +297,7 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, V] at every position of one prompt, computed in one pass."""
         with torch.inference_mode():
-            return self.runner.model.compute_logits(self.prompt_hidden(token_ids))
+            return self.runner.compute_logits(self.prompt_hidden(token_ids))
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors) -> str:
@@ -331,7 +309,7 @@ class LLMEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("update_weights: requests are in flight; drain the engine first")
-        model = self.loaded.model  # the full model (under tensor parallel: rank 0's)
+        model = self.loaded.model  # this rank's (under tensor parallel: rank 0's shard)
         items = update_weights(model, named_tensors)
         self.loaded.weights_digest = updated_digest(self.loaded.weights_digest, items)
         self.fingerprint = self.loaded.fingerprint = numerics_fingerprint(
@@ -339,9 +317,7 @@ class LLMEngine:
         hook = getattr(model.ops, "weights_updated", None)
         if hook is not None and "weights" not in self.asleep:  # else refreshed at wake-up
             hook(model)
-        shards = getattr(self.runner.model, "weights_updated", None)
-        if shards is not None:  # tensor parallel: every rank updates and re-shards
-            shards(items)
+        self.runner.weights_updated(items)  # tensor parallel: every other rank loads its part
         self.kv.set_fingerprint(self.fingerprint)
         self.runner.discard_ahead()  # launched with the old weights
         return self.fingerprint

@@ -111,8 +111,8 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of ``seq``, leaving at least one token to compute
-        (its logits are needed). None for a request that needs every prompt position's logprob."""
-        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+        (its logits are needed). None for a sequence that does not use the prefix cache."""
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return []
         self._update_hashes(seq, seq.num_tokens - 1)
         blocks = []
@@ -137,8 +137,9 @@ class KVCacheManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: register the blocks that are now full as cached."""
-        if not self.enable_prefix_caching:
+        """After a step: register the blocks that are now full as cached (not those of a
+        sequence that bypasses the cache)."""
+        if not self.enable_prefix_caching or seq.bypass_prefix_cache:
             return
         self._update_hashes(seq, seq.num_computed_tokens)
         full = seq.num_computed_tokens // self.block_size

@@ -1,31 +1,66 @@
 """The model runner: owns the KV cache tensors, turns a scheduled batch into device tensors in one
-``prepare`` step, runs the forward, and samples."""
+``prepare`` step, runs the forward, and samples.
+
+Under tensor parallel every rank has a runner of its own over its shard of the model: it sizes
+its KV cache from what is left on its own device (the ranks then keep the smallest block count,
+so one block table serves every rank) and captures its own CUDA graphs. Rank 0's runner
+schedules and samples; each call that runs the model (a forward, a graph replay, the logits of
+hidden states, a weight update) is first announced to ranks 1..N-1 (``peers``:
+``samebits.engine.executor``), whose runners make the same call (``follow``), so the ranks'
+collectives meet in order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from samebits.config import EngineConfig
 from samebits.engine import sampler
-from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_bucket, batch_buckets
+from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.grammar import apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
+from samebits.engine.memory import KVBudget
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later
 from samebits.loader import LoadedModel
+from samebits.models.weights import WeightMap, update_weights
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
 
 
+class Peers(Protocol):
+    """Rank 0's handle on ranks 1..N-1 (``samebits.engine.executor.Ranks``)."""
+
+    def announce(self, op: str, *args: Any) -> None: ...
+
+    def guard(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ForwardInputs:
+    """One eager forward's inputs as plain Python (what rank 0 sends the other ranks)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_start_loc: list[int]
+    block_tables: list[list[int]]
+
+
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    forward: ForwardInputs
     sample_rows: list[int]  # flat token row of each sequence that gets a new token
     sample_seqs: list[Sequence]
     score_rows: list[int]  # flat token rows of prompt positions whose next token is scored
@@ -74,102 +109,30 @@ class AheadStep:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.model, self.config = loaded.model, config
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, peers: Peers | None = None
+                 ) -> None:
+        """``peers``: on rank 0 under tensor parallel, the other ranks (each runs a runner of its
+        own, constructed at the same time: this constructor's collectives meet theirs)."""
+        self.model, self.config, self.loaded, self.peers = loaded.model, config, loaded, peers
+        self.group = self.model.group
         self.max_model_len = loaded.max_model_len
-        self.reserved_bytes = 0  # CUDA: activation + graph-pool bytes kept out of the KV budget
-        cfg = loaded.model_config
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
-        per_block = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads
-                     * cfg.head_dim * self.dtype.itemsize)
-        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget() // per_block - 1)
+        per_block = (2 * len(self.model.layers) * self.dtype.itemsize
+                     * math.prod(self.model.kv_cache_shape(1, config.block_size)))
+        own = config.num_kv_blocks or max(
+            1, KVBudget(self.model, config, self.max_model_len).bytes() // per_block - 1)
+        self.num_blocks = self.group.min_int(own)  # every rank holds the same block ids
         self.kv_caches = self._new_kv_caches()
+        self.hidden: dict[str, torch.Tensor] = {}  # the last hidden states of each slot
         self.ahead: AheadStep | None = None  # async scheduling: the next decode step, in flight
         self.ahead_steps_used = 0  # steps served by a step launched ahead, since start
         self.graphs = self._new_graphs()
 
-    def _kv_budget(self) -> int:
-        """Bytes for the KV cache: as configured, else 1 GiB on CPU; on CUDA 90% of what is free
-        once the activations of the largest step and the CUDA-graph pool are set aside
-        (``_activation_reserve``, measured)."""
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return 1 << 30
-        self.reserved_bytes = self._activation_reserve()
-        free, total = torch.cuda.mem_get_info(self.device)
-        util = self.config.gpu_memory_utilization
-        if util is None:
-            return max(0, int((free - self.reserved_bytes) * 0.9))
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return max(0, min(int(util * total) - weights, free) - self.reserved_bytes)
-
-    @torch.inference_mode()
-    def _activation_reserve(self) -> int:
-        """Peak bytes of an eager prefill of ``max_num_batched_tokens`` tokens with its sampling
-        rows, plus, when decode steps run in CUDA graphs, the graph pool: the peak of a decode step
-        of ``max_num_seqs`` sequences planned for the longest context (the temporaries every
-        captured graph shares) and each graph's output. Measured on a scratch cache just large
-        enough, which is then freed."""
-        cfg, model, bs = self.config, self.model, self.config.block_size
-        t = cfg.max_num_batched_tokens
-        nb = -(-t // bs) + 1
-        shape = (nb, bs, model.cfg.num_key_value_heads, model.cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(model.cfg.num_hidden_layers)]
-        prefill = self._peak(lambda: self._scratch_prefill(caches, t, nb))
-        if cfg.enforce_eager:
-            return prefill
-        n = min(batch_bucket(cfg.max_num_seqs), t)
-        decode = self._peak(lambda: self._scratch_decode(caches, n))
-        outputs = DecodeGraphs.count(cfg.max_num_seqs, self.max_model_len, cfg.attention_split_size) \
-            * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
-        return prefill + decode + outputs
-
-    def _peak(self, fn) -> int:
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        fn()
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
-
-    def _scratch_prefill(self, caches: list, t: int, nb: int) -> None:
-        dev, rows = self.device, min(t, self.config.max_num_seqs)
-        meta = AttentionMetadata(
-            block_tables=torch.arange(nb - 1, dtype=torch.int32, device=dev)[None],
-            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
-            slot_mapping=torch.arange(t, device=dev), seq_lens_list=(t,),
-            query_start_loc_list=(0, t), block_size=self.block_size,
-            split_size=self.config.attention_split_size)
-        hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev),
-                            torch.arange(t, device=dev), caches, self.model.ops.plan_attention(meta))
-        self.model.ops.log_softmax(self.model.compute_logits(hidden[-rows:]))
-
-    def _scratch_decode(self, caches: list, n: int) -> None:
-        """One eager decode step of ``n`` sequences planned as the widest graph is."""
-        dev, max_len = self.device, self.max_model_len
-        width = -(-max_len // self.block_size)
-        meta = AttentionMetadata(
-            block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            slot_mapping=torch.arange(n, device=dev), seq_lens_list=(max_len,) * n,
-            query_start_loc_list=tuple(range(n + 1)), block_size=self.block_size,
-            split_size=self.config.attention_split_size)
-        pos = torch.zeros(n, dtype=torch.int32, device=dev)
-        meta = self.model.ops.plan_decode(meta, pos, max_len)
-        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), pos.long(), caches, meta)
-        self.model.ops.log_softmax(self.model.compute_logits(hidden))
-
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
         sample_rows, sample_seqs, score_rows, score_spans = [], [], [], []
-        bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             ids.extend(seq.all_token_ids[start:start + n])
@@ -186,17 +149,8 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            seq_lens_list=tuple(seq_lens), query_start_loc_list=tuple(qsl),
-            block_size=bs, split_size=self.config.attention_split_size)
-        return StepInputs(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                          self.model.ops.plan_attention(meta), sample_rows, sample_seqs,
-                          score_rows, score_spans)
+        return StepInputs(ForwardInputs(ids, pos, slots, seq_lens, qsl, tables), sample_rows,
+                          sample_seqs, score_rows, score_spans)
 
     def _graph_batch(self, batch: ScheduledBatch) -> DecodeBatch | None:
         """The batch as a CUDA-graph decode step, or None if it is not one (prefill, scoring)."""
@@ -217,32 +171,146 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        with self._guard():
+            return self._run(batch)
+
+    def _run(self, batch: ScheduledBatch) -> StepResult:
         result = StepResult([], [], [], [], [])
         decode = self._graph_batch(batch)
         ahead, self.ahead = self.ahead, None
         if decode is not None:
             served = ahead is not None and ahead.serves(batch.seqs, decode)
             self.ahead_steps_used += served
-            hidden = ahead.hidden if served else self.graphs.run(decode)
-            self._sample(list(range(len(batch.seqs))), batch.seqs, hidden, result, decode)
+            if not served:
+                self._replay(decode, "main")
+            self._sample(None, "ahead" if served else "main", batch.seqs, result, decode)
             return result
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._forward(inputs.forward)
         if inputs.sample_rows:
-            self._sample(inputs.sample_rows, inputs.sample_seqs, hidden, result)
+            self._sample(inputs.sample_rows, "main", inputs.sample_seqs, result)
         if inputs.score_spans:
-            self._score(inputs, hidden, result)
+            self._score(inputs, result)
         return result
 
     @torch.inference_mode()
     def all_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of every scheduled token (embeddings, reference checks)."""
-        inputs = self.prepare(batch)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with self._guard():
+            return self._forward(self.prepare(batch).forward)
 
     def discard_ahead(self) -> None:
         """Drop the step launched ahead (the weights or a sequence's state changed)."""
         self.ahead = None
+
+    def check_health(self) -> None:
+        """Raise ``RankFailedError`` naming a tensor-parallel rank whose process died."""
+        if self.peers is not None:
+            self.peers.check()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the runner is collected and at
+        exit); idempotent."""
+        if self.peers is not None:
+            self.peers.close()
+
+    # ---- the calls every rank makes: rank 0 announces each first (``follow``) ---------------
+    def _guard(self) -> contextlib.AbstractContextManager[None]:
+        """A failed rank's error, named, instead of a collective's (``Peers.guard``)."""
+        return self.peers.guard() if self.peers is not None else contextlib.nullcontext()
+
+    def _announce(self, op: str, *args: Any) -> None:
+        if self.peers is not None:
+            self.peers.announce(op, *args)
+
+    def follow(self, op: str, args: tuple) -> None:
+        """Ranks 1..N-1: make the call rank 0 announced, on this rank's shard."""
+        calls = {"forward": self._forward, "replay": self._follow_replay, "logits": self._logits,
+                 "logits_of": self.compute_logits, "update": self.weights_updated,
+                 "gather": self.named_weights, "weight_bytes": self.weight_bytes}
+        with torch.inference_mode():
+            calls[op](*args)
+
+    def _forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The eager forward of ``inputs``: hidden states [T, H], kept as slot "main"."""
+        self._announce("forward", inputs)
+        dev = self.device
+        meta = AttentionMetadata(
+            block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
+            seq_lens_list=tuple(inputs.seq_lens), query_start_loc_list=tuple(inputs.query_start_loc),
+            block_size=self.block_size, split_size=self.config.attention_split_size)
+        hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
+                            torch.tensor(inputs.positions, device=dev), self.kv_caches,
+                            self.model.ops.plan_attention(meta))
+        self.hidden["main"] = hidden
+        return hidden
+
+    def _replay(self, decode: DecodeBatch, slot: str, tokens: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``decode`` through the CUDA graphs (input ids from the device tensor ``tokens`` when
+        given: rank 0's sampled tokens, sent to every rank), kept as ``slot``."""
+        self._announce("replay", decode, slot, tokens is not None)
+        if tokens is not None and self.group.world_size > 1:
+            tokens = self.group.broadcast_tensor(tokens.to(torch.int64).contiguous())
+        hidden = self.hidden[slot] = self.graphs.run(decode, tokens)
+        return hidden
+
+    def _follow_replay(self, decode: DecodeBatch, slot: str, from_tokens: bool) -> None:
+        tokens = None
+        if from_tokens:
+            tokens = torch.empty(len(decode.positions), dtype=torch.int64, device=self.device)
+        self._replay(decode, slot, tokens)
+
+    def _logits(self, slot: str, rows: list[int] | None) -> torch.Tensor:
+        """fp32 logits [len(rows), V] of rows ``rows`` (None: all) of slot ``slot``'s hidden."""
+        self._announce("logits", slot, rows)
+        hidden = self.hidden[slot]
+        if rows is not None:
+            hidden = hidden[to_device(rows, torch.int64, self.device)]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, V] of any hidden states [M, H] (sent whole to the other ranks: for
+        warm-up and reference checks, not steps)."""
+        with self._guard():
+            self._announce("logits_of", hidden.cpu())
+            return self.model.compute_logits(hidden.to(self.device))
+
+    def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """After ``update_weights`` on rank 0's model (checked there, all or nothing): every other
+        rank loads its part of the same items; each backend drops what it derived from the old
+        weights."""
+        if self.peers is not None:
+            with self._guard():
+                self._announce("update", [(name, t.detach().cpu()) for name, t in items])
+            return
+        if self.group.rank > 0:
+            update_weights(self.model, items)
+            hook = getattr(self.model.ops, "weights_updated", None)
+            if hook is not None:
+                hook(self.model)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight, unfused: views of the one device's weights, or,
+        under tensor parallel, every rank's parts gathered (copies)."""
+        wmap = WeightMap(self.model)
+        if self.group.world_size == 1:
+            return wmap.named_weights()
+        with self._guard():
+            self._announce("gather")
+            return iter([(name, wmap.gather(name, self.group)) for name in wmap.slots])
+
+    def weight_bytes(self) -> list[int]:
+        """Bytes of the model's parameters on each rank, in rank order."""
+        with self._guard():
+            self._announce("weight_bytes")
+            mine = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            every = self.group.all_gather(torch.tensor([mine], device=self.device))
+            return [int(b) for b in every.tolist()]
 
     def _launch_ahead(self, seqs: list[Sequence], decode: DecodeBatch, tokens: torch.Tensor
                       ) -> None:
@@ -262,17 +330,18 @@ class ModelRunner:
                           slots=[self._slot(s, p) for s, p in pairs],
                           block_tables=list(decode.block_tables))
         if self.graphs.covers(nxt):
-            self.ahead = AheadStep(list(seqs), nxt, self.graphs.run(nxt, tokens))
+            self.ahead = AheadStep(list(seqs), nxt, self._replay(nxt, "ahead", tokens))
 
-    def _sample(self, sample_rows: list[int], seqs: list[Sequence], hidden: torch.Tensor,
+    def _sample(self, sample_rows: list[int] | None, slot: str, seqs: list[Sequence],
                 result: StepResult, decode: DecodeBatch | None = None) -> None:
-        """Logits, logprobs and tokens of the sampled rows, queued behind the forward; the host
-        waits once, for tokens and chosen logprobs together (again only for rows a rejection
-        chain left undecided). A graph decode step (``decode``) launches its successor before
-        that wait (``_launch_ahead``)."""
-        if sample_rows != list(range(hidden.shape[0])):
-            hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
-        logits = self.model.compute_logits(hidden)  # [B, V] fp32, raw
+        """Logits, logprobs and tokens of the sampled rows (None: every row) of ``slot``'s hidden
+        states, queued behind the forward; the host waits once, for tokens and chosen logprobs
+        together (again only for rows a rejection chain left undecided). A graph decode step
+        (``decode``) launches its successor before that wait (``_launch_ahead``)."""
+        rows = sample_rows
+        if rows is not None and rows == list(range(self.hidden[slot].shape[0])):
+            rows = None
+        logits = self._logits(slot, rows)  # [B, V] fp32, raw
         logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
         logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
         pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
@@ -307,7 +376,7 @@ class ModelRunner:
         for size in sizes:
             hidden = torch.zeros(size, self.model.cfg.hidden_size, dtype=self.dtype,
                                  device=self.device)
-            logits = self.model.compute_logits(hidden)
+            logits = self.compute_logits(hidden)
             logprobs = self.model.ops.log_softmax(logits)
             draws = [SamplingParams(temperature=0.0)]
             if size in (sizes[0], sizes[-1]):
@@ -319,13 +388,12 @@ class ModelRunner:
                 pending = sampler.start_sample(logits, [params] * size, [0] * size, [0] * size)
                 pending.complete(_read_tokens(pending.tokens, logprobs)[0])
 
-    def _score(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
+    def _score(self, inputs: StepInputs, result: StepResult) -> None:
         """Logprob of token p+1 given tokens [0, p], for each scored position p: log_softmax of the
         raw fp32 logits through the invariant backend, as the sampler reports them."""
         logprobs = None
         if inputs.score_rows:
-            rows = torch.tensor(inputs.score_rows, device=self.device)
-            logprobs = self.model.ops.log_softmax(self.model.compute_logits(hidden[rows]))
+            logprobs = self.model.ops.log_softmax(self._logits("main", inputs.score_rows))
         row = 0
         for seq, start, count in inputs.score_spans:
             span = ScoredSpan([], [], [])
@@ -347,11 +415,10 @@ class ModelRunner:
     def _new_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed K and V caches per layer: ``num_blocks`` + 1 blocks (the last one the scratch
         block CUDA-graph padding rows write)."""
-        cfg = self.model.cfg
-        shape = (self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(cfg.num_hidden_layers)]
+                for _ in range(len(self.model.layers))]
 
     def _new_graphs(self) -> DecodeGraphs | None:
         """The decode CUDA graphs over the current caches and weights (None: eager or CPU)."""

@@ -8,6 +8,7 @@ sequence that has more than one left to compute) share a per-step budget of
 a running stream never waits longer than one chunk's compute, however long the prompts that
 arrive. When blocks run out, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
+A paused sequence (``pause`` / ``resume``) keeps its blocks and progress but is not scheduled.
 None of these choices changes a sequence's bits (the ops are invariant); they change only speed.
 """
 
@@ -39,6 +40,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.paused: dict[str, bool] = {}  # paused request id -> it was running (holds blocks)
+        self._paused_seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, seq: Sequence) -> None:
@@ -107,8 +110,29 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def pause(self, seq: Sequence) -> None:
+        """Take an unfinished sequence out of scheduling, keeping its progress and KV blocks:
+        ``schedule`` skips it and ``has_unfinished`` no longer counts it until ``resume`` puts it
+        back in the queue it left (running or waiting), or ``finish`` ends it."""
+        running = seq in self.running
+        (self.running if running else self.waiting).remove(seq)
+        self.paused[seq.request_id] = running
+        self._paused_seqs[seq.request_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        running = self.paused.pop(seq.request_id)
+        del self._paused_seqs[seq.request_id]
+        (self.running if running else self.waiting).append(seq)
+
+    def paused_blocks_needed(self) -> bool:
+        """Whether paused sequences hold KV blocks the queue waits for: one was paused running
+        (it holds blocks), nothing runs, and sequences wait."""
+        return any(self.paused.values()) and not self.running and bool(self.waiting)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished (or aborted), drop it from its queue and free its blocks."""
+        if seq.request_id in self.paused:
+            self.resume(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

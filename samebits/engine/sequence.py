@@ -29,6 +29,7 @@ class Sequence:
     seed: int
     score_only: bool = False  # teacher-forced: logprob of every prompt token, nothing generated
     cache_salt: str | None = None  # enters the first block's hash: no sharing across salts
+    bypass_prefix_cache: bool = False  # neither reads nor fills the prefix cache
     index: int = 0  # which choice of its prompt this sequence is (0 .. best_of - 1)
     stop_ids: frozenset[int] = frozenset()  # token ids that end it: EOS (unless ignored), stop ids
     output_token_ids: list[int] = field(default_factory=list)
@@ -70,6 +71,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether cached blocks may serve this sequence (not when every prompt position's
+        logprob is wanted, nor when it bypasses the cache)."""
+        return not (self.bypass_prefix_cache or self.wants_prompt_logprobs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

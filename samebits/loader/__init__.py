@@ -1,6 +1,7 @@
 """Turn an ``EngineConfig`` into a loaded decoder: resolve the model (embedded default, GGUF file,
-HF directory, or a config.json for dummy weights), build it on the device, load the weights, and
-derive the numerics fingerprint."""
+HF directory, or a config.json for dummy weights), build this rank's shard of it on its device,
+load its part of the weights (safetensors slices: nothing else is read), and derive the numerics
+fingerprint."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from tqdm import tqdm
 
 from samebits.config import EngineConfig, ModelConfig, ModelFormatError, read_json
+from samebits.distributed.group import TPGroup
 from samebits.loader import dummy, hf, hub
+from samebits.models import registry
 from samebits.models.llama import LlamaForCausalLM
-from samebits.models.registry import model_class
 from samebits.ops.backend import get_backend
 from samebits.text.tokenizer import Tokenizer
 
@@ -51,25 +53,38 @@ def resolve_model_dir(spec: str | None) -> Path:
     return path
 
 
-def load(config: EngineConfig) -> LoadedModel:
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: ``cuda:rank`` under CUDA tensor parallel,
+    else the configured device."""
+    device = config.torch_device
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
+        return torch.device("cuda", rank)
+    return device
+
+
+def load(config: EngineConfig, group: TPGroup | None = None) -> LoadedModel:
+    """This rank's model (``group``: its rank of ``config.tensor_parallel_size``; rank 0 of one
+    by default)."""
+    group = group or TPGroup(0, 1, rank_device(config, 0))
     model_dir = resolve_model_dir(config.model)
     config_file = model_dir / "config.json"
     if config.model and config.model.endswith(".json"):  # a config file of any name (dummy)
         config_file = Path(config.model).expanduser()
     raw_cfg = read_json(config_file)
-    model_config = ModelConfig.from_dict(raw_cfg, str(config_file))
+    model_config = registry.model_config(raw_cfg, str(config_file))
     max_len = config.max_model_len or model_config.max_position_embeddings
-    device, dtype = config.torch_device, config.torch_dtype
+    device, dtype = group.device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
-    model = build_model(model_config, ops, max_len, device, dtype)
+    model = build_model(model_config, ops, max_len, device, dtype, group)
     if config.load_format == "dummy":
         dummy.init_dummy_weights(model, config.seed)
         digest = dummy.dummy_digest(raw_cfg, config.seed)
     else:
         files = hf.safetensors_files(model_dir)
-        weights = tqdm(hf.iter_safetensors(files), desc="loading weights", unit="tensor",
-                       total=hf.count_tensors(files), leave=False)
-        model.load_weights((n, t.to(dtype)) for n, t in weights)
+        weights = tqdm(hf.iter_safetensors_slices(files), desc="loading weights",
+                       unit="tensor", total=hf.count_tensors(files), leave=False,
+                       disable=group.rank > 0)
+        model.load_weights(weights)
         digest = hf.weights_digest(files)
     tokenizer = Tokenizer.from_dir(model_dir, model_config.eos_token_ids)
     return LoadedModel(model, model_config, tokenizer, model_dir, max_len,
@@ -84,13 +99,15 @@ def numerics_fingerprint(config: EngineConfig, model_config: ModelConfig, ops, d
 
 
 def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
-                dtype: torch.dtype) -> LlamaForCausalLM:
-    """The registry's class for the architecture, parameters uninitialised on ``device``."""
+                dtype: torch.dtype, group: TPGroup | None = None) -> LlamaForCausalLM:
+    """The registry's class for the architecture, this rank's parameters (``group``; the whole
+    model by default) uninitialised on ``device``."""
     default_dtype = torch.get_default_dtype()
     try:  # parameters in the target dtype; the rope tables are built in explicit fp32
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            return model_class(model_config.architecture)(model_config, ops, max_len)
+            return registry.model_class(model_config.architecture)(model_config, ops, max_len,
+                                                          group or TPGroup(0, 1, device))
     finally:
         torch.set_default_dtype(default_dtype)
 

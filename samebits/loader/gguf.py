@@ -26,11 +26,12 @@ from tqdm import tqdm
 
 from samebits import env
 from samebits.config import ModelFormatError
+from samebits.models.registry import gguf_architectures
 
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+# GGUF general.architecture -> the HF architecture that runs it (the architecture table's)
+ARCHITECTURES = {name: entry.name for name, entry in gguf_architectures().items()}
 FORMAT_VERSION = "1"  # bump when the converted output changes, so stale caches are not reused
 _MIB = 1 << 20
 
@@ -283,7 +284,7 @@ def _tensors(reader: gguf.GGUFReader, path: Path, arch: str,
         except ModelFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from None
         kind = t.name.split(".")[-2]
-        if arch == "llama" and kind in heads:
+        if gguf_architectures()[arch].gguf_permuted_qk and kind in heads:
             w = _unpermute(w, heads[kind])
         tensors[name] = w
     return tensors

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -55,11 +56,22 @@ def count_tensors(files: list[Path]) -> int:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the files."""
+    return _iter(files, lambda st, name: st.get_tensor(name))
+
+
+def iter_safetensors_slices(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, a lazy safetensors slice) of every tensor: indexing a slice reads only the rows /
+    columns asked for (a tensor-parallel rank's shard); valid while the iteration runs."""
+    return _iter(files, lambda st, name: st.get_slice(name))
+
+
+def _iter(files: list[Path], read) -> Iterator[tuple[str, Any]]:
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, st.get_tensor(name)
+                    yield name, read(st, name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelFormatError(f"{f}: cannot read safetensors ({e})") from None
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from samebits.config import ENCODER_ARCHITECTURES, ModelFormatError
+from samebits.config import ModelFormatError
+from samebits.models.registry import ENCODER_ARCHITECTURES
 from samebits.models.weights import fused_param, packed_hf_names
 from samebits.ops.encoder import EncoderOps, SeqLayout
 

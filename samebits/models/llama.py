@@ -6,11 +6,15 @@ elementwise and does the same casts in the same order on every path, so the inva
 backend carries over to the logits. The residual stream is carried as in nano-vLLM: a layer
 returns (its MLP output, the stream before it) and the next RMSNorm adds the two
 (``rms_norm(x, w, eps, residual)``), the bits of separate adds; q/k norm, RoPE and the KV-cache
-write are one op (``qkv_rope_store``), which a backend may fuse. The row-parallel linears (o_proj,
-down_proj) pass the model's K segments (``samebits.distributed.segments.k_bounds``: S = the KV
-heads) to the backend, so one device computes the tensor-parallel arithmetic and gives the bits
-of every TP size.
-Shapes: T = tokens in the flat batch, H = hidden size, Hq / Hkv = query / KV heads, D = head dim.
+write are one op (``qkv_rope_store``), which a backend may fuse.
+
+One definition at every tensor-parallel size: the projections are the parallel layers of
+``samebits.models.parallel`` (S = the KV heads segments), so a rank builds and loads only its
+shard -- its KV groups' q/k/v heads and KV cache, its MLP slices, its vocab rows -- and one
+device is the rank that owns every segment. The architecture's quirks (q/k norm, the defaults
+of attention bias and tied embeddings) come from its registry entry.
+Shapes: T = tokens in the flat batch, H = hidden size, Hq / Hkv = query / KV heads (this rank's
+in the attention), D = head dim.
 """
 
 from __future__ import annotations
@@ -19,17 +23,21 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from samebits.config import ModelConfig, ModelFormatError
-from samebits.distributed.segments import k_bounds
-from samebits.models.weights import fused_param, packed_hf_names
+from samebits.distributed.group import TPGroup
+from samebits.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    replicated_param,
+)
+from samebits.models.registry import architecture
+from samebits.models.weights import load_weights, packed_hf_names
 from samebits.ops.backend import AttentionMetadata, OpBackend
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -59,46 +67,42 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool) -> None:
         super().__init__()
-        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.eps = cfg.rms_norm_eps
-        shards = [self.hq * self.d, self.hkv * self.d, self.hkv * self.d]  # q, k, v rows
-        self.qkv_proj = fused_param(shards, cfg.hidden_size)
-        self.qkv_bias = fused_param(shards) if cfg.attention_bias else None
-        self.o_proj = _param(cfg.hidden_size, self.hq * self.d)
-        self.o_bounds = k_bounds(cfg, self.hq * self.d)  # segment g: KV group g's columns
-        self.q_norm = _param(self.d) if cfg.qk_norm else None
-        self.k_norm = _param(self.d) if cfg.qk_norm else None
+        self.d, self.eps = cfg.head_dim, cfg.rms_norm_eps
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, group, bias)
+        self.hq, self.hkv = self.qkv_proj.hq, self.qkv_proj.hkv  # this rank's heads
+        # segment g of o_proj's K: KV group g's columns
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size,
+                                        cfg.num_key_value_heads, group)
+        self.q_norm = replicated_param(self.d) if qk_norm else None
+        self.k_norm = replicated_param(self.d) if qk_norm else None
 
     def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
         t = h.shape[0]
-        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(ops, h)  # [T, (Hq + 2 Hkv) D]
         # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
         q = ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
                                kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
         o = ops.attention(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
-        bounds = self.o_bounds if ops.row_parallel_segments else None
-        return ops.linear(o.reshape(t, self.hq * self.d), self.o_proj, k_bounds=bounds)  # [T, H]
+        return self.o_proj(ops, o.reshape(t, self.hq * self.d))  # [T, H]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
-        shards = [cfg.intermediate_size] * 2  # gate, up rows
-        self.gate_up_proj = fused_param(shards, cfg.hidden_size)
-        self.gate_up_bias = fused_param(shards) if cfg.mlp_bias else None
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
-        self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
-        self.down_bounds = k_bounds(cfg, cfg.intermediate_size)
+        inter, segments = cfg.intermediate_size, cfg.num_key_value_heads
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], segments, group,
+                                                 cfg.mlp_bias)  # [gate; up]
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, cfg.mlp_bias)
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
-        gate, up = ops.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        bounds = self.down_bounds if ops.row_parallel_segments else None
-        act = ops.silu_mul(gate, up, bounds)
-        return ops.linear(act, self.down_proj, self.down_bias, k_bounds=bounds)
+        gate, up = self.gate_up_proj(ops, h).chunk(2, dim=-1)
+        act = ops.silu_mul(gate, up, self.down_proj.segments(ops))
+        return self.down_proj(ops, act)
 
 
 def add_norm(ops: OpBackend, h: torch.Tensor, w: torch.Tensor, eps: float,
@@ -111,13 +115,13 @@ def add_norm(ops: OpBackend, h: torch.Tensor, w: torch.Tensor, eps: float,
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = _param(cfg.hidden_size)
-        self.post_attention_layernorm = _param(cfg.hidden_size)
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = replicated_param(cfg.hidden_size)
+        self.post_attention_layernorm = replicated_param(cfg.hidden_size)
+        self.self_attn = Attention(cfg, group, qk_norm, bias)
+        self.mlp = MLP(cfg, group)
 
     def forward(self, ops: OpBackend, h: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -133,19 +137,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the fp32 logits."""
+    """The decoder (this rank's shard of it). ``forward`` returns hidden states (the same on
+    every rank); ``compute_logits`` the fp32 logits over the whole vocabulary."""
 
-    def __init__(self, cfg: ModelConfig, ops: OpBackend, max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: OpBackend, max_model_len: int,
+                 group: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.group = group = group or TPGroup()
+        arch = architecture(cfg.architecture)
+        bias = arch.resolve("attention_bias", cfg.attention_bias)
+        tied = arch.resolve("tie_word_embeddings", cfg.tie_word_embeddings)
+        segments = cfg.num_key_value_heads
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, segments,
+                                                   group)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, group, arch.qk_norm, bias, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = replicated_param(cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, segments, group,
+                                      self.embed_tokens if tied else None)
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(cfg))
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, D]
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def decoder_layer(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
+                      index: int) -> nn.Module:
+        """Layer ``index`` (a subclass varies it: ``samebits.models.moe``'s sparse layers)."""
+        return DecoderLayer(cfg, group, qk_norm, bias)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's K (or V) cache on this rank: its KV heads only."""
+        attn = self.layers[0].self_attn
+        return (num_blocks, block_size, attn.hkv, attn.d)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
@@ -156,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         return self.final_norm(h, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        return self.embed_tokens(input_ids)
 
     def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -172,36 +196,35 @@ class LlamaForCausalLM(nn.Module):
         return add_norm(self.ops, h, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in fp32."""
-        w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, w).float()
+        """hidden [N, H] -> logits [N, V] in fp32 (a collective under tensor parallel)."""
+        return self.lm_head(self.ops, hidden)
 
     # ---- HF names (samebits.models.weights) ----------------------------------------------
-    packed_modules_mapping = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
-                              "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                              "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                              "up_proj": ("gate_up_proj", 1)}
 
     def hf_names(self, param_name: str) -> list[str]:
         """HF tensor name of each shard of parameter ``param_name``."""
         if param_name in _TOP:
             return [_TOP[param_name]]
-        head, _, leaf = param_name.rpartition(".")  # "layers.3.self_attn", "qkv_proj"
-        prefix = f"model.{head}."
-        stem, kind = (leaf[:-5], "bias") if leaf.endswith("_bias") else (leaf[:-5], "weight")
-        if stem in ("qkv", "gate_up"):
-            return packed_hf_names(self, prefix, stem, kind)
-        if kind == "bias" or leaf.endswith("_proj"):
-            return [f"{prefix}{stem}_proj.{kind}"]
-        return [f"{prefix}{leaf}.weight"]  # norms
+        head, _, leaf = param_name.rpartition(".")  # "layers.3.self_attn.qkv_proj", "weight"
+        if leaf in ("weight", "bias"):
+            module, _, stem = head.rpartition(".")
+            if stem in ("qkv_proj", "gate_up_proj"):
+                return packed_hf_names(self, f"model.{module}.", stem, leaf)
+            return [f"model.{head}.{leaf}"]
+        return [f"model.{param_name}.weight"]  # norms
 
     def hf_ignored(self, name: str) -> bool:
         """Checkpoint tensors that fill no parameter: rotary tables, a tied head's copy."""
-        return "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None)
+        return "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head.tied)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
-        from samebits.models.weights import load_weights
+        """Copy HF-named tensors in (this rank's part of each), fusing q/k/v and gate/up; every
+        parameter must be covered."""
         load_weights(self, weights)
 
 
-_TOP = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
-        "lm_head": "lm_head.weight"}
+_TOP = {"embed_tokens.weight": "model.embed_tokens.weight", "norm": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight"}

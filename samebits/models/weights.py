@@ -2,22 +2,26 @@
 
 Every model class declares, as nano-vllm does:
 
-- ``packed_modules_mapping``: HF module name -> (fused parameter stem, shard index), e.g.
-  ``"q_proj": ("qkv", 0)``; a fused parameter holds its shards as row blocks, in shard order;
+- ``packed_modules_mapping``: HF module name -> (fused module, shard index), e.g.
+  ``"q_proj": ("qkv_proj", 0)``; a fused parameter holds its shards as row blocks, in shard order;
 - ``hf_names(param_name) -> list[str]``: the HF tensor name of each shard of one parameter (one
   name for a plain parameter), and ``hf_ignored(name)``: checkpoint tensors that fill nothing
   (rotary tables, a tied LM head's copy, a BERT pooler).
 
 A fused parameter carries ``shard_sizes`` (rows per shard) and a per-parameter ``weight_loader``
 (``param.weight_loader(param, tensor, shard)``) that copies one shard in; plain parameters use
-``default_weight_loader``. ``WeightMap`` joins the two directions, so loading a checkpoint,
-``update_weights`` and ``named_weights`` all use the same mapping.
+``default_weight_loader``. A tensor-parallel parameter's ``spec`` (``samebits.models.parallel``)
+gives the full checkpoint shape behind its local shard, and its loader reads only this rank's
+part of the checkpoint tensor, which may be a safetensors slice (nothing else is read). ``WeightMap``
+joins the two directions, so loading a checkpoint, ``update_weights`` and ``named_weights`` all use
+the same mapping; names and shapes are always the checkpoint's (whole) ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,9 +40,13 @@ def shard_view(param: torch.Tensor, shard: int | None, of: torch.Tensor | None =
     return t.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
-def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: int | None = None
-                          ) -> None:
-    shard_view(param, shard).copy_(tensor)
+def default_weight_loader(param: torch.Tensor, tensor: Any, shard: int | None = None) -> None:
+    shard_view(param, shard).copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
+
+
+def tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """The shape of a tensor or of a safetensors slice (read from the file's header)."""
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
 
 
 def fused_param(shard_sizes: list[int], *trailing: int) -> nn.Parameter:
@@ -50,7 +58,7 @@ def fused_param(shard_sizes: list[int], *trailing: int) -> nn.Parameter:
 
 
 def packed_hf_names(model: nn.Module, prefix: str, stem: str, suffix: str) -> list[str]:
-    """HF names of the shards of fused ``stem`` (``qkv``) from ``packed_modules_mapping``."""
+    """HF names of the shards of fused ``stem`` (``qkv_proj``) from ``packed_modules_mapping``."""
     parts = sorted((shard, hf) for hf, (fused, shard) in model.packed_modules_mapping.items()
                    if fused == stem)
     return [f"{prefix}{hf}.{suffix}" for _, hf in parts]
@@ -78,8 +86,27 @@ class WeightMap:
                 self.slots[hf] = Slot(pname, shard if fused else None)
 
     def view(self, hf_name: str) -> torch.Tensor:
+        """This rank's part of weight ``hf_name`` (the whole weight on one device)."""
         slot = self.slots[hf_name]
         return shard_view(self.params[slot.param], slot.shard)
+
+    def full_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The checkpoint shape of weight ``hf_name`` (every rank's parts together)."""
+        slot, shape = self.slots[hf_name], list(self.view(hf_name).shape)
+        spec = getattr(self.params[slot.param], "spec", None)
+        if spec is not None and spec.dim is not None:
+            shape[spec.dim] = spec.full_sizes[slot.shard or 0]
+        return tuple(shape)
+
+    def gather(self, hf_name: str, group) -> torch.Tensor:
+        """The whole weight ``hf_name``: every rank's part, in rank order (a collective of
+        ``group``; a copy-free view on one device)."""
+        slot = self.slots[hf_name]
+        spec = getattr(self.params[slot.param], "spec", None)
+        local = self.view(hf_name)
+        if spec is None or spec.dim is None or group.world_size == 1:
+            return local
+        return group.gather_cat(local, spec.sizes(slot.shard or 0), dim=spec.dim)
 
     def write(self, hf_name: str, tensor: torch.Tensor) -> None:
         slot = self.slots[hf_name]
@@ -101,9 +128,9 @@ class WeightMap:
         """What is wrong with ``tensor`` as the new value of ``hf_name``, or None."""
         if hf_name not in self.slots:
             return f"{hf_name!r} is not a weight of this model"
-        dest = self.view(hf_name)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            return f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        dest, shape = self.view(hf_name), self.full_shape(hf_name)
+        if tuple(tensor.shape) != shape:
+            return f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {shape}"
         if tensor.dtype != dest.dtype:
             return f"{hf_name!r} has dtype {tensor.dtype}, expected {dest.dtype}"
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -111,8 +138,9 @@ class WeightMap:
         return None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy a whole checkpoint in: every weight exactly once, each with its exact shape."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+    """Copy a whole checkpoint in: every weight exactly once, each with its exact (whole) shape;
+    a weight is a tensor or a safetensors slice, of which only this rank's part is read."""
     wmap, written = WeightMap(model), set()
     rename = getattr(model, "hf_rename", lambda n: n)
     for name, tensor in weights:
@@ -121,10 +149,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             if model.hf_ignored(name):
                 continue
             raise ModelFormatError(f"checkpoint: unexpected tensor {name!r}")
-        dest = wmap.view(name)
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelFormatError(f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                   f"expected {tuple(dest.shape)}")
+        shape = wmap.full_shape(name)
+        if tensor_shape(tensor) != shape:
+            raise ModelFormatError(f"checkpoint: tensor {name!r} has shape "
+                                   f"{tensor_shape(tensor)}, expected {shape}")
         wmap.write(name, tensor)
         written.add(name)
     missing = [n for n in wmap.slots if n not in written]
@@ -153,5 +181,5 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         seen.add(name)
     with torch.no_grad():
         for name, tensor in items:
-            wmap.write(name, tensor.to(wmap.view(name).device))
+            wmap.write(name, tensor)
     return items

@@ -11,7 +11,7 @@ of the query at position p depends only on q, and on K/V at positions [0, p] of 
 not on how many queries of the sequence run this step (prefill, chunk or decode), on the batch, or
 on which physical KV blocks hold them.
 
-Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.distributed``): with
+Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.models.parallel``): with
 ``k_bounds`` = ((0, k1), (k1, k2), ..., (k_{S-1}, K)), ``linear`` computes one partial product per
 K segment, each accumulated from zero in the backend's accumulation dtype (fp32; fp64 for fp64
 inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
@@ -24,6 +24,7 @@ ignore it in ``linear`` (stock ``F.linear``: the negative control, not TP-invari
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -146,6 +147,21 @@ class GraphableBackend(OpBackend, Protocol):
         ...
 
 
+def bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous near-equal [lo, hi) slices of range(total) (torch.tensor_split's:
+    the first ``total % parts`` slices one longer)."""
+    edges = [0]
+    for i in range(parts):
+        edges.append(edges[-1] + total // parts + (1 if i < total % parts else 0))
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def row_parallel_bounds(k: int, num_segments: int) -> KBounds:
+    """The K segments of a row-parallel weight with ``k`` input columns: ``bounds(k, S)``, S the
+    model's KV heads. For o_proj (k = Hq D, a multiple of S) segment g is KV group g's columns."""
+    return tuple(bounds(k, num_segments))
+
+
 def check_k_bounds(k_bounds: KBounds, k: int) -> None:
     """Raise unless ``k_bounds`` are non-empty ordered ranges that tile [0, k) exactly."""
     edges = [lo for lo, _ in k_bounds]
@@ -221,8 +237,13 @@ _INSTANCES: dict[tuple[str, bool], OpBackend] = {}
 _CHOSEN: dict[tuple[torch.device | str, bool], OpBackend] = {}
 
 
+# the modules that register the built-in backends (``register``), imported on first use of a
+# device type: the interface does not depend on its implementations (they depend on it)
+_BUILTIN_BACKENDS = {"cpu": ("samebits.ops.reference", "samebits.ops.standard"),
+                     "cuda": ("samebits.ops.reference", "samebits.ops.standard",
+                              "samebits.ops.standard_cuda", "samebits.ops.triton.backend")}
+
+
 def _load_builtin_backends(device_type: str) -> None:
-    from samebits.ops import reference, standard  # noqa: F401  (registration side effect)
-    if device_type == "cuda":
-        from samebits.ops import standard_cuda  # noqa: F401
-        from samebits.ops.triton import backend  # noqa: F401
+    for module in _BUILTIN_BACKENDS.get(device_type, ()):
+        importlib.import_module(module)

@@ -1,9 +1,13 @@
 """The invariant CPU kernels (``csrc/invariant_cpu.cpp``), compiled on first use and cached.
 
-The build goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extension
-cache, under a name carrying the hash of the source and flags: a changed source builds anew, an
-unchanged one loads in milliseconds. If the build fails, ``load`` raises ``KernelBuildError``
-naming the cause; there is no silent fallback (another arithmetic would give other bits).
+The build (``build``) goes through ``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's
+extension cache, under a name carrying the hash of the source and flags: a changed source builds
+anew, an unchanged one loads in milliseconds. Builds are safe against a builder killed at any
+moment: one process at a time builds (an exclusive ``flock``, which the kernel releases when its
+holder dies, never a lock file that outlives it), in a fresh directory of its own, and the library
+is renamed into place only once complete. If the build fails, ``load`` raises
+``KernelBuildError`` naming the cause; there is no silent fallback (another arithmetic would give
+other bits).
 
 ``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC``, the
 digest of that source and the compile flags, names it in the CPU fingerprint (derived, so no edit
@@ -12,9 +16,14 @@ of the kernels can leave a stale name).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -43,16 +52,63 @@ def load() -> None:
         if _loaded:
             return
         try:
-            from torch.utils import cpp_extension
-            cpp_extension.load(name=f"samebits_cpu_{_DIGEST}", sources=[str(SOURCE)],
-                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+            build(f"samebits_cpu_{_DIGEST}", [SOURCE], _FLAGS, ["-fopenmp"])
         except Exception as e:  # noqa: BLE001 -- any build failure is reported the same way
             raise KernelBuildError(
                 f"could not build samebits' invariant CPU kernels ({SOURCE.name}): {e}. They need "
                 "g++ and ninja (pip install ninja); the standard mode (batch_invariant=False) runs "
                 "without them.") from e
         _loaded = True
+
+
+def build(name: str, sources: Sequence[Path], cflags: Sequence[str],
+          ldflags: Sequence[str]) -> Path:
+    """Load the op library ``name`` (compiled from ``sources``) into this process, building it
+    first unless a finished one is kept; returns the library's path.
+
+    Layout, in torch's extension directory for this Python and accelerator: ``NAME.lock`` (the
+    flock), ``NAME-torchVERSION.so`` (a finished library: renamed in whole, so present means
+    complete), ``NAME.build-*`` (a build in progress, or a killed build's leftovers, removed by
+    the next build)."""
+    from torch.utils import cpp_extension
+    # torch's own per-extension directory (it honours TORCH_EXTENSIONS_DIR); ours sit beside it
+    root = Path(cpp_extension._get_build_directory(name, False)).parent
+    library = root / f"{name}-torch{torch.__version__}.so"
+    if not library.exists():
+        with _exclusive(root / f"{name}.lock"):
+            if not library.exists():
+                return _compile(name, sources, cflags, ldflags, root, library)
+    torch.ops.load_library(str(library))
+    return library
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (blocking); the kernel drops it if this process dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _compile(name: str, sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str],
+             root: Path, library: Path) -> Path:
+    """Build in a fresh directory (loading the result), then rename the library into place."""
+    from torch.utils import cpp_extension
+    for stale in root.glob(f"{name}.build-*"):  # under the lock: only dead builders' leftovers
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=root))
+    try:
+        cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                           extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                           build_directory=str(work), is_python_module=False, verbose=False)
+        built = next(work.glob(f"{name}*.so"))  # torch may suffix a rebuilt name (_v1)
+        os.replace(built, library)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return library
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

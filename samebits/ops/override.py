@@ -1,5 +1,9 @@
 """``batch_invariant()``: torch.library overrides that make stock PyTorch code batch-invariant.
 
+``samebits.batch_invariant()`` is this block with, on CUDA, the HF RMSNorm classes the
+architecture table names routed to the engine's kernel (``samebits.models.hf_route`` adds that
+route, ``add_route``).
+
 Inside ``with batch_invariant():`` the CPU (and, where CUDA exists, CUDA) kernels of these aten ops
 are replaced by the invariant implementations of ``get_backend(device, batch_invariant=True)``:
 
@@ -13,13 +17,9 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
   (``pow(2).mean(-1) -> rsqrt``) gives the engine's bits;
 - transformers' ``"sdpa"`` attention (its ``AttentionInterface`` registry entry, while transformers
   is imported): the engine's paged split attention (``samebits.ops.hf_attention``);
-- on CUDA, the ``forward`` of transformers' RMSNorm modules of the decoders the engine runs
-  (``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, where their modeling
-  module is imported): the engine's Triton ``rms_norm`` kernel, one row per lane group, whose bits no
-  aten-level mean can reproduce. CPU tensors keep the stock forward (its ``mean`` is overridden);
 - the row-parallel linears of an HF decoder (the ``o_proj`` / ``down_proj`` ``nn.Linear`` of a
   module whose ``config`` has ``num_key_value_heads``): the engine's segmented K
-  (``samebits.distributed.segments.row_parallel_bounds``). A global module forward pre-hook
+  (``samebits.ops.backend.row_parallel_bounds``). A global module forward pre-hook
   registers their weights as such a module runs; ``mm`` / ``addmm`` of a registered weight then
   pass its K segments to the backend's ``linear``, as the engine's decoder does.
 
@@ -31,9 +31,9 @@ is bitwise the engine's sampled logprobs (CPU fp32 tested). Elementwise ops (emb
 SiLU, residual adds, the casts) already agree (the engine's CPU SiLU runs per down_proj segment;
 HF's one call over the row agrees when the segment lengths are multiples of the vector width,
 as in the default model, not in general). On CUDA the engine's RMSNorm is one Triton kernel,
-so there the norm module itself is routed to it. Backward: the aten overrides sit below autograd,
-so stock derivative formulas run (their matmuls invariant too); the attention entry and the CUDA
-norm route have a recompute backward (``samebits.ops.autograd``).
+so there ``samebits.batch_invariant()`` routes the norm module itself to it. Backward: the aten
+overrides sit below autograd, so stock derivative formulas run (their matmuls invariant too); the
+attention entry and the CUDA norm route have a recompute backward (``samebits.ops.autograd``).
 
 Guarantee: for fp32, bf16 and fp16 inputs, the bits of an output row (a row of a matrix product, a
 batch item's row of ``bmm``, a softmax row, a mean over the reduced dims) depend only on that row's
@@ -63,9 +63,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from samebits.distributed.segments import row_parallel_bounds
-from samebits.ops.autograd import invariant_apply, rms_norm_reference
-from samebits.ops.backend import KBounds, OpBackend, get_backend
+from samebits.ops.backend import KBounds, OpBackend, get_backend, row_parallel_bounds
 from samebits.ops.tiles import by_tiles
 
 __all__ = ["batch_invariant", "is_batch_invariant_enabled"]
@@ -241,7 +239,16 @@ _local = threading.local()  # .busy: an override is running on this thread
 _lock = threading.Lock()
 _depth = 0
 _lib: torch.library.Library | None = None
-_undo_hf: Callable[[], None] = lambda: None  # noqa: E731
+_undo_routes: list[Callable[[], None]] = []
+# installers run when the outermost block opens, each returning its undo: transformers'
+# attention here; higher layers add theirs (``add_route``: the HF RMSNorm classes)
+_ROUTES: list[Callable[[], Callable[[], None]]] = []
+
+
+def add_route(install: Callable[[], Callable[[], None]]) -> None:
+    """Run ``install`` (which returns its undo) whenever an outermost block opens."""
+    if install not in _ROUTES:
+        _ROUTES.append(install)
 _hook: torch.utils.hooks.RemovableHandle | None = None
 
 
@@ -281,7 +288,7 @@ def _register() -> torch.library.Library:
 
 
 @contextlib.contextmanager
-def _busy() -> Iterator[None]:
+def busy() -> Iterator[None]:
     """Nested aten calls go to the stock kernels (as inside an override)."""
     before = getattr(_local, "busy", False)
     _local.busy = True
@@ -301,53 +308,8 @@ def _route_hf_attention() -> Callable[[], None]:
     stock = registry._global_mapping.get("sdpa")
     if stock is None:
         return lambda: None
-    registry._global_mapping["sdpa"] = functools.partial(engine_sdpa, stock, _busy)
+    registry._global_mapping["sdpa"] = functools.partial(engine_sdpa, stock, busy)
     return lambda: registry._global_mapping.__setitem__("sdpa", stock)
-
-
-_HF_RMS_NORMS = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RMSNorm",
-                 "qwen3": "Qwen3RMSNorm"}  # HF's formula: w * (x.float() * rsqrt(mean + eps)).to(x)
-
-
-def _engine_rms_norm(stock: Callable, module: torch.nn.Module, hidden_states: torch.Tensor
-                     ) -> torch.Tensor:
-    """HF RMSNorm ``forward`` -> the engine's kernel on CUDA (stock ``forward`` elsewhere)."""
-    w = module.weight
-    if not (hidden_states.is_cuda and _supported(hidden_states) and w.dtype in _FLOATS
-            and w.device == hidden_states.device and hidden_states.shape[-1] == w.shape[0]):
-        return stock(module, hidden_states)
-    eps = float(module.variance_epsilon)
-    with _busy():
-        return invariant_apply(functools.partial(_backend(hidden_states).rms_norm, eps=eps),
-                               functools.partial(rms_norm_reference, eps=eps), hidden_states, w)
-
-
-def _norm_forward(stock: Callable) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
-    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _engine_rms_norm(stock, self, hidden_states)
-    return forward
-
-
-def _route_hf_rms_norm() -> Callable[[], None]:
-    """Point the imported HF RMSNorm classes' ``forward`` at the engine's CUDA kernel (only when
-    CUDA exists); returns the undo."""
-    if not torch.cuda.is_available():
-        return lambda: None
-    undo = []
-    for model_type, name in _HF_RMS_NORMS.items():
-        module = sys.modules.get(f"transformers.models.{model_type}.modeling_{model_type}")
-        cls = getattr(module, name, None)
-        if cls is None:
-            continue
-        stock = cls.__dict__["forward"]
-        cls.forward = _norm_forward(stock)
-        undo.append((cls, stock))
-    return lambda: [setattr(cls, "forward", stock) for cls, stock in undo]
-
-
-def _route_hf() -> Callable[[], None]:
-    undo_attention, undo_norm = _route_hf_attention(), _route_hf_rms_norm()
-    return lambda: (undo_norm(), undo_attention())
 
 
 def is_batch_invariant_enabled() -> bool:
@@ -362,11 +324,11 @@ def batch_invariant() -> Iterator[None]:
     Re-entrant: nested blocks share one registration, removed when the outermost block exits
     (normally or by an exception). The overrides are process-wide while registered.
     """
-    global _depth, _lib, _undo_hf, _hook
+    global _depth, _lib, _hook
     with _lock:
         if _depth == 0:
             _lib = _register()
-            _undo_hf = _route_hf()
+            _undo_routes[:] = [install() for install in [_route_hf_attention, *_ROUTES]]
             _hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _register_row_parallel)
         _depth += 1
@@ -378,6 +340,7 @@ def batch_invariant() -> Iterator[None]:
             if _depth == 0 and _lib is not None:
                 _lib._destroy()
                 _lib = None
-                _undo_hf()
+                for undo in reversed(_undo_routes):
+                    undo()
                 _hook.remove()
                 _row_parallel.clear()

@@ -1,27 +1,28 @@
 """The OpenAI-compatible HTTP server (``samebits serve``): FastAPI routes over the engine loop.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
-``GET /v1/models`` (these behind ``--api-key`` when one is set), ``GET /health``, ``GET /metrics``
-(Prometheus), and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``,
-``GET /version`` (samebits.server.tokenization). Every response carries ``system_fingerprint``,
-and a generation the seed of each choice. A server serves a generation model, an embedding model
-(``--task embed``), or both (``--embed-model``); ``ServedModels`` routes each request to the model
-it names.
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version`` (samebits.server.tokenization).
+With ``--api-key``, every path but ``/health`` (and ``/metrics`` with ``--metrics-public``) needs
+the key, checked before anything else (samebits.server.auth). Every response carries
+``system_fingerprint``, and a generation the seed of each choice. A server serves a generation
+model, an embedding model (``--task embed``), or both (``--embed-model``); ``ServedModels`` routes
+each request to the model it names. The security limits are ``ServerLimits``
+(samebits.server.limits; docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic_core
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -32,13 +33,17 @@ from samebits import env
 from samebits.config import EngineConfig
 from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
-from samebits.server import tokenization, weight_updates
+from samebits.ops import cpu_kernels
+from samebits.server import lifecycle, tokenization, weight_updates
 from samebits.server.async_engine import AsyncEngine
+from samebits.server.auth import APIKeyAuth
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
 from samebits.server.embeddings import EmbeddingService, create_embedding
 from samebits.server.errors import APIError, from_validation_error
-from samebits.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from samebits.server.guard import RequestGuard
+from samebits.server.lifecycle import Readiness, ReadinessGate
+from samebits.server.limits import ServerLimits
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
@@ -55,20 +60,23 @@ log = logging.getLogger("samebits.server")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_EMBED_MODEL_NAME = "all-MiniLM-L6-v2"
 M = TypeVar("M", bound=BaseModel)
+DEFAULT_LIMITS = ServerLimits()
 
 
 def build_app(engine: LLMEngine | None, model_name: str | None,
               api_key: str | Sequence[str] | None = None, *,
               embedder: Embedder | None = None,
               embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_queued_requests: int | None = None,
-              enable_weight_updates: bool = False, canary_rate: float = 0.0) -> FastAPI:
+              max_queued_requests: int | None = None, canary_rate: float = 0.0,
+              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     """The app over a generation engine, an embedder, or both; the engine loop and the embedding
     worker run while the app does (its lifespan). ``api_key``: one key or several (any of them
     is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
-    determinism canary replays alone (samebits.server.canary)."""
+    determinism canary replays alone (samebits.server.canary). ``app.state.readiness`` is what
+    /health reports and what a shutdown drains (samebits.server.lifecycle)."""
+    keys = _keys(api_key)
+    limits.check_auth(keys)
     if engine is not None:
         metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
                           engine.config.batch_invariant)
@@ -88,6 +96,7 @@ def build_app(engine: LLMEngine | None, model_name: str | None,
         if engine is not None:
             metrics.add_model(embed_model_name, embedder.fingerprint)
     served = ServedModels(ctx, svc)
+    readiness = _readiness(loop, svc)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -102,17 +111,32 @@ def build_app(engine: LLMEngine | None, model_name: str | None,
     # redirect_slashes=False: a trailing-slash path is a 404, never a redirect built from Host
     app = FastAPI(title="samebits", lifespan=lifespan, redirect_slashes=False)
     app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
-    router = _v1_router(served, _keys(api_key))
-    if enable_weight_updates and ctx is not None:
-        weight_updates.add_route(router, ctx, metrics, _parse)
+    app.state.readiness = readiness
+    router = _v1_router(served)
+    if limits.enable_weight_updates and ctx is not None:
+        weight_updates.add_route(router, ctx, metrics, limits.weight_update_root,
+                                 limits.weight_update_timeout_s, _parse)
     app.include_router(router)
     app.include_router(tokenization.router(served, _parse))
-    _add_open_routes(app, served, metrics)
+    _add_open_routes(app, served, metrics, readiness)
     _add_error_handlers(app)
     document_bodies(app, REQUEST_BODIES)
-    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
-    app.add_middleware(StatusCounter, metrics=metrics)  # outermost: counts the guard's 413/415
+    # outermost last: StatusCounter, then the key, then readiness, then the body checks
+    app.add_middleware(RequestGuard, limits=limits)
+    app.add_middleware(ReadinessGate, readiness=readiness)
+    open_paths = ("/health", "/metrics") if limits.metrics_public else ("/health",)
+    app.add_middleware(APIKeyAuth, api_keys=keys, open_paths=open_paths)
+    app.add_middleware(StatusCounter, metrics=metrics)
     return app
+
+
+def _readiness(loop: AsyncEngine | None, svc: EmbeddingService | None) -> Readiness:
+    checks = []
+    if loop is not None:
+        checks.append(lambda: loop.error or (None if loop.alive else "the engine is stopped"))
+    if svc is not None:
+        checks.append(lambda: None if svc.alive else "the embedding worker is stopped")
+    return Readiness(checks, stop=loop.stop if loop is not None else lambda: None)
 
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents for each POST
@@ -133,8 +157,8 @@ def _keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
     return keys
 
 
-def _v1_router(served: ServedModels, api_keys: tuple[str, ...]) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_keys))])
+def _v1_router(served: ServedModels) -> APIRouter:
+    router = APIRouter(prefix="/v1")
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
@@ -160,31 +184,18 @@ def _v1_router(served: ServedModels, api_keys: tuple[str, ...]) -> APIRouter:
     return router
 
 
-def _add_open_routes(app: FastAPI, served: ServedModels, metrics: Metrics) -> None:
+def _add_open_routes(app: FastAPI, served: ServedModels, metrics: Metrics,
+                     readiness: Readiness) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        if served.generation is not None and not served.generation.engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        if served.embedding is not None and not served.embedding.alive:
-            return JSONResponse({"status": "embedding worker stopped"}, status_code=503)
+        problem = readiness.problem()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         return JSONResponse({"status": "ok", "system_fingerprint": served.fingerprint})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
-
-
-def _auth(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
-    async def check(request: Request) -> None:
-        if not api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare with every key (no early exit), so timing does not tell which key was close
-        matches = [hmac.compare_digest(token.encode(), key.encode()) for key in api_keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-    return check
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -240,7 +251,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class StatusCounter:
-    """Pure ASGI middleware (safe for streaming): counts /v1/* requests by response status."""
+    """Pure ASGI middleware (safe for streaming): counts /v1/* requests by final status, once
+    the response has ended: a response (a stream) the client left before its end counts as 499,
+    one the app failed after starting as 500."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -248,18 +261,28 @@ class StatusCounter:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
+        status, ended = None, False
 
-        embedding = scope["path"] == "/v1/embeddings"
-
-        async def counting_send(message: Message) -> None:
+        async def watching_send(message: Message) -> None:
+            nonlocal status, ended
             if message["type"] == "http.response.start":
-                status = str(message["status"])
-                self.metrics.requests.labels(status=status).inc()
-                if embedding:
-                    self.metrics.embedding_requests.labels(status=status).inc()
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, watching_send)
+        except BaseException:
+            self._count(scope, 500)
+            raise
+        self._count(scope, status if ended else 499)
+
+    def _count(self, scope: Scope, status: int | None) -> None:
+        label = str(status if status is not None else 499)
+        self.metrics.requests.labels(status=label).inc()
+        if scope["path"] == "/v1/embeddings":
+            self.metrics.embedding_requests.labels(status=label).inc()
 
 
 # ---- samebits serve ----------------------------------------------------------------------
@@ -295,7 +318,8 @@ def read_chat_template(spec: str) -> str:
     raise ValueError(f"--chat-template: {spec!r} is neither a file nor a jinja template")
 
 
-def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | None) -> FastAPI:
+def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | None,
+                     limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     """``--task embed``: only the embedding model ``--model``; otherwise the generation model,
     and beside it the embedding model ``--embed-model`` (DEFAULT or a path) when given."""
     if args.task == "embed":
@@ -304,8 +328,9 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
                              "names the embedding model")
         embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
         name = args.served_model_name or embed_model_name(args.model)
+        _build_kernels(embedder.config)
         return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
-                         **_limits(args))
+                         max_queued_requests=args.max_queued_requests, limits=limits)
     engine = LLMEngine(EngineConfig.from_cli_args(args, seed=args.seed))
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
@@ -313,15 +338,18 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
         embedder, embed_name = load_embedder(args, path), embed_model_name(path)
+    _build_kernels(engine.config, *([embedder.config] if embedder is not None else []))
     return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name, **_limits(args),
-                     enable_weight_updates=getattr(args, "enable_weight_updates", False),
-                     canary_rate=args.canary_rate)
+                     embedder=embedder, embed_model_name=embed_name,
+                     max_queued_requests=args.max_queued_requests,
+                     canary_rate=args.canary_rate, limits=limits)
 
 
-def _limits(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_request_bytes=args.max_request_bytes,
-                max_queued_requests=args.max_queued_requests)
+def _build_kernels(*configs: EngineConfig) -> None:
+    """Build (or load) the invariant CPU kernels now, before the server listens, instead of at
+    the first request: /health is never green while a build is still due."""
+    if any(c.batch_invariant and c.torch_device.type == "cpu" for c in configs):
+        cpu_kernels.load()
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -331,8 +359,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-    app = build_served_app(args, api_keys(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    """``samebits serve``: the limits and keys are checked before any model is loaded."""
+    limits, keys = ServerLimits.from_cli_args(args), api_keys(args)
+    limits.check_auth(keys)
+    app = build_served_app(args, keys, limits)
+    lifecycle.run(app, app.state.readiness, limits, args.host, args.port, args.log_level)
     return 0

@@ -103,6 +103,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._error: str | None = None  # set when a step fails (see ``error``)
         self._update: _UpdateWeights | None = None  # engine thread only: a swap waiting to drain
         self._held: list[_Add] = []  # requests that arrived while it waits (admitted after)
         metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
@@ -113,21 +114,30 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
+        """Stop the thread (what runs or waits fails); safe to call twice, from any thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._commands.put(_STOP)
-            self._thread.join(timeout)
-            self._thread = None
+            thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def error(self) -> str | None:
+        """Why the engine cannot step (its thread died, or a step failed: its state is unknown,
+        so it takes no new work until the server restarts); None while it can."""
+        if self._error is None and self._thread is not None and not self._thread.is_alive():
+            return "the engine thread stopped"
+        return self._error
+
     async def submit(self, group: RequestGroup) -> None:
         """Queue the group's requests; raises the engine's ``ValueError`` if one is invalid and
         ``QueueFull`` past ``max_queued_requests`` (a group is admitted whole into an empty
         queue, so any group can run)."""
-        if self._stopped or not self.alive:
-            raise RuntimeError("the engine loop is not running")
+        if self._stopped or not self.alive or self._error is not None:
+            raise RuntimeError(self.error or "the engine loop is not running")
         self._reserve(len(group.request_ids))
         done: Future = Future()
         self._commands.put(_Add(group, done))
@@ -141,8 +151,8 @@ class AsyncEngine:
         """Swap weights between requests: admission pauses, the requests in flight finish on the
         old weights, the engine swaps, admission resumes; so no request mixes old and new weights.
         Returns the new fingerprint; raises the engine's ``ValueError`` for a bad tensor."""
-        if self._stopped or not self.alive:
-            raise RuntimeError("the engine loop is not running")
+        if self._stopped or not self.alive or self._error is not None:
+            raise RuntimeError(self.error or "the engine loop is not running")
         done: Future = Future()
         self._commands.put(_UpdateWeights(tensors, done))
         return await asyncio.wrap_future(done)
@@ -284,8 +294,10 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             progressed = self.engine.step()
-        except Exception:
-            log.exception("engine step failed; failing the requests in flight")
+        except Exception as e:
+            log.exception("engine step failed; failing the requests in flight and taking no "
+                          "new work")
+            self._error = f"an engine step failed ({type(e).__name__}); restart the server"
             for request_id in list(self._tracked):
                 self._fail(request_id, "internal error in the engine step")
             return

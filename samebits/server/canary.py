@@ -78,13 +78,12 @@ class Canary:
         ``busy`` says work arrived; then it is parked: out of the scheduler, its KV blocks kept,
         resumed alone at the next idle time. The engine must have no other request in flight."""
         try:
-            with engine.prefix_cache_bypassed():
-                job, seq = self._resume(engine)
-                while not seq.is_finished:
-                    if busy():
-                        engine.park(seq.request_id)
-                        return
-                    engine.step()
+            job, seq = self._resume(engine)
+            while not seq.is_finished:
+                if busy():
+                    engine.park(seq.request_id)
+                    return
+                engine.step()
         except Exception:
             log.exception("canary replay failed")
             self.abort_parked(engine, requeue=False)
@@ -97,7 +96,7 @@ class Canary:
             job = self._pending.popleft()
             self._count += 1
             seq = engine.add_request(f"canary-{self._count}-{job.request_id}",
-                                     job.prompt_token_ids, job.params)
+                                     job.prompt_token_ids, job.params, bypass_prefix_cache=True)
             self._active = (job, seq)
             return job, seq
         job, seq = self._active

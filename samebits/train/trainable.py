@@ -68,15 +68,19 @@ class TrainableLM(nn.Module):
 
     @classmethod
     def from_llm(cls, llm: Any) -> TrainableLM:
-        """A trainer over a copy of ``llm``'s current weights, on its device, in its dtype."""
+        """A trainer over a copy of ``llm``'s current weights, on its device, in its dtype (one
+        device: a tensor-parallel rank holds only its shard)."""
         engine = llm.engine
+        if engine.config.tensor_parallel_size > 1:
+            raise ValueError("TrainableLM.from_llm needs the whole model: build it from an LLM "
+                             "with tensor_parallel_size=1, or TrainableLM(model, ...)")
         src = _Source(engine.config, engine.loaded.model_config, engine.loaded.model_dir,
                       engine.max_model_len)
         return cls(_from=(engine.loaded.model, src))
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.device
+        return self.model.embed_tokens.weight.device
 
     # ---- the forward ---------------------------------------------------------------------
     def logprobs(self, seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> list[torch.Tensor]:
@@ -125,7 +129,7 @@ class TrainableLM(nn.Module):
             torch.tensor(slots, dtype=torch.int64, device=dev), tuple(lens), tuple(qsl), bs,
             self.source.config.attention_split_size)
         shape = (first + 1, bs, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = self.model.embed_tokens.dtype
+        dtype = self.model.embed_tokens.weight.dtype
         caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
                   for _ in range(cfg.num_hidden_layers)]
         ids = torch.tensor([t for s in seqs for t in s], device=dev)
@@ -148,7 +152,7 @@ class TrainableLM(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         src = self.source.model_dir
         cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        cfg["torch_dtype"] = str(self.model.embed_tokens.dtype).removeprefix("torch.")
+        cfg["torch_dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
         tensors = {n: t.detach().contiguous().cpu().clone() for n, t in self.named_weights()}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

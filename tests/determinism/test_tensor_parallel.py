@@ -1,9 +1,11 @@
 """Tensor parallel keeps the bits, and the default engine has them: on CPU (gloo), ``LLM()`` (one
 device, ``tensor_parallel_size`` left at 1), ``tensor_parallel_size=1`` and a model sharded over 2
-and 3 processes return bitwise the same tokens, logprobs, scores and fingerprint, and a prompt
-scored through TP equals its generation. Negative controls: the plain unsegmented arithmetic (one
-K chain for o_proj and down_proj) gives other bits on the same inputs, and adding the same
-partials grouped by rank first (what an all-reduce of rank sums does) changes the sum with N."""
+and 3 processes (each rank building and loading only its shard) return bitwise the same tokens,
+logprobs, scores and fingerprint, and a prompt scored through TP equals its generation; a weight
+update reaches every rank, and ``named_weights`` gathers every rank's parts into TP 1's weights.
+Negative controls: the plain unsegmented arithmetic (one K chain for o_proj and down_proj) gives
+other bits on the same inputs, and adding the same partials grouped by rank first (what an all-
+reduce of rank sums does) changes the sum with N."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams
-from samebits.distributed import shutdown
 
 # 12 query heads, 6 KV heads: N = 1, 2, 3 (and 6) divide them; odd sizes exercise uneven slices
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 96,
@@ -30,6 +31,10 @@ def _outputs(llm: LLM) -> tuple[list, list, str]:
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     scored = llm.score([PROMPTS[1] + outs[1].token_ids])
     return [(o.token_ids, o.token_logprobs) for o in outs], scored, llm.fingerprint
+
+
+def shutdown(llm: LLM) -> None:
+    llm.engine.runner.shutdown()
 
 
 def _run(path: str, **options) -> tuple[list, list, str]:
@@ -70,7 +75,7 @@ def test_negative_control_plain_unsegmented_arithmetic_differs(dummy_config, def
     """The same engine with o_proj and down_proj as one K chain each (no segments)."""
     llm = LLM(dummy_config, load_format="dummy", num_kv_blocks=64)
     for layer in llm.engine.runner.model.layers:
-        layer.self_attn.o_bounds = layer.mlp.down_bounds = None
+        layer.self_attn.o_proj.k_bounds = layer.mlp.down_proj.k_bounds = None
     plain, plain_scored, _ = _outputs(llm)
     assert plain != default_run[0] and plain_scored != default_run[1]
 
@@ -83,11 +88,13 @@ def _new_weights(path: str) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.clone()) for n, t in llm.named_weights() if any(w in n for w in wanted)]
 
 
-def _run_updated(path: str, new, **options) -> tuple[list, list, str]:
+def _run_updated(path: str, new, **options) -> tuple[tuple[list, list, str], dict]:
+    """The outputs after ``update_weights(new)``, and every weight as ``named_weights`` gives it
+    (under TP: every rank's parts gathered)."""
     llm = LLM(path, load_format="dummy", num_kv_blocks=64, **options)
     try:
         llm.update_weights(new)
-        return _outputs(llm)
+        return _outputs(llm), {n: t.clone() for n, t in llm.named_weights()}
     finally:
         shutdown(llm)
 
@@ -95,9 +102,13 @@ def _run_updated(path: str, new, **options) -> tuple[list, list, str]:
 def test_update_weights_reaches_every_rank_tp_2_equals_tp_1(dummy_config, default_run):
     new = _new_weights(dummy_config)
     assert len(new) == 7
-    one = _run_updated(dummy_config, new)
+    one, one_weights = _run_updated(dummy_config, new)
     assert one[0] != default_run[0] and one[2] != default_run[2]  # the update changed the bits
-    assert _run_updated(dummy_config, new, tensor_parallel_size=2) == one
+    two, two_weights = _run_updated(dummy_config, new, tensor_parallel_size=2)
+    assert two == one
+    assert one_weights.keys() == two_weights.keys()
+    assert all(torch.equal(one_weights[n], two_weights[n]) for n in one_weights)
+    assert all(torch.equal(one_weights[n], t) for n, t in new)
 
 
 def test_negative_control_rank_grouped_sums_depend_on_n():

@@ -55,7 +55,7 @@ def test_rows_equal_for_every_m_bf16(k: int, n: int) -> None:
     stock_bad = _m_sweep(F.linear, x, w, ms)
     record("linear_negative_control", k=k, n=n, dtype="bf16", cublas_differs_at=len(stock_bad),
            of=len(ms), first=stock_bad[:5])
-    if (k, n) == (4096, 4096):  # design.md section 2: cuBLAS differs for M >= 64 here
+    if (k, n) == (4096, 4096):  # docs/DESIGN.md section 2: cuBLAS changes row bits with M here
         assert stock_bad, "cuBLAS was expected to change row bits with M at (4096, 4096)"
 
 
@@ -79,7 +79,7 @@ def test_row_position_does_not_matter() -> None:
 
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 6144), (1000, 200)])
 def test_every_tile_config_and_schedule_same_bits(k: int, n: int) -> None:
-    """Hopper fact (design.md section 2): tile shape / mma flavour never changes the bits."""
+    """Hopper fact (docs/DESIGN.md section 2): tile shape / mma flavour never changes the bits."""
     x, w = _data(300, k, n, torch.bfloat16, seed=2)
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     segs = L.num_segments(k, n)

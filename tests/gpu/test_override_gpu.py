@@ -1,7 +1,7 @@
 """``batch_invariant()`` on CUDA (bf16): the overrides route to the Triton backend.
 
-Same checks as tests/unit/test_override.py, at shapes where cuBLAS changes kernels with M (design.md
-section 2), each with its negative control. Skipped without CUDA.
+Same checks as tests/unit/test_override.py, at shapes where cuBLAS changes kernels with M
+(docs/DESIGN.md section 2), each with its negative control. Skipped without CUDA.
 """
 
 from __future__ import annotations

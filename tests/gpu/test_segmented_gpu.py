@@ -4,13 +4,14 @@ arithmetic, in one Triton launch per linear (fused or split-K schedule, eager or
 What the tests prove, bit for bit: ``linear(x, w, k_bounds=...)`` is the ordered fp32 sum of each
 segment's product computed alone on its contiguous slice, for near-equal bounds (even and
 uneven, 16-aligned or not), every dtype and both schedules; and ``LLM()`` (CUDA graphs) returns
-the tokens and logprobs of a one-rank tensor-parallel model (``TPModel``: one product per segment
-on contiguous weight copies, partials added by torch in order) -- the arithmetic every TP size
-shares. Negative control: one K chain gives other bits. Skipped without CUDA.
+the tokens and logprobs of the same model with its row-parallel layers on their tensor-parallel
+path (one product per segment, partials gathered and added by torch in order) -- the arithmetic
+every TP size shares. Negative control: one K chain gives other bits. Skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM, SamplingParams  # noqa: E402
-from samebits.distributed.segments import row_parallel_bounds  # noqa: E402
+from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 
 QWEN3_TINY = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
@@ -70,12 +71,14 @@ def test_negative_control_one_k_chain_differs_from_segments():
 
 
 def _one_rank_reference(config: str, prompts, params):
-    """The same model as a one-rank TPModel (eager: no graphs under TP)."""
-    from samebits.distributed.engine import enable_tensor_parallel
+    """The same model with every row-parallel layer on its tensor-parallel path (one product per
+    segment, partials gathered and added by torch in order), eager."""
+    from samebits.models.parallel import RowParallelLinear
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
-              kv_cache_memory_bytes=1 << 28)
-    engine = llm.engine
-    enable_tensor_parallel(engine.runner, engine.loaded, engine.config)  # world size 1
+              kv_cache_memory_bytes=1 << 28, enforce_eager=True)
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, RowParallelLinear):
+            m.forward = functools.partial(RowParallelLinear.gathered, m)
     return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in llm.generate(prompts, params)]
 
 

@@ -47,7 +47,7 @@ class Server:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0 when absent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):

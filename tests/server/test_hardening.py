@@ -2,7 +2,8 @@
 responsive while a maximal prompt is handled (tokenization off the event loop, early refusal),
 memory given back, non-finite numbers refused, 405 with Allow, no redirects, documented bodies,
 seeds that always replay, cache_salt isolation with cached_tokens, API keys checked at startup,
-and a queue limit that answers 503 with Retry-After while every accepted request completes."""
+a queue limit that answers 503 with Retry-After while every accepted request completes, and error
+messages that never echo more than a few dozen characters of the input."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from samebits.server.errors import MESSAGE_LIMIT, QUOTE_LIMIT
 from tests.server.conftest import MAX_MODEL_LEN, SECOND_API_KEY, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -156,7 +158,7 @@ def test_trailing_slash_is_not_redirected(server):
 
 
 def test_openapi_documents_every_request_body(server):
-    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    spec = httpx.get(f"{server.url}/openapi.json", headers=server.headers, timeout=30).json()
     schemas = spec["components"]["schemas"]
     for path, name in ((CMPL, "CompletionRequest"), (CHAT, "ChatCompletionRequest"),
                        ("/v1/embeddings", "EmbeddingRequest")):
@@ -273,3 +275,25 @@ def test_past_the_queue_limit_503_with_retry_after_and_accepted_requests_complet
         assert r.json()["error"]["code"] == "server_busy"
     queue_server.wait_idle(timeout=120)
     assert _post(queue_server, CMPL, {"prompt": "again", "max_tokens": 1}).status_code == 200
+
+
+# ---- error messages -------------------------------------------------------------------------
+LONG_INPUTS = [  # (body, a piece of the input that must not come back whole)
+    ({"model": "x" * 100_000, "prompt": [1]}, "x" * (QUOTE_LIMIT + 1)),
+    ({"prompt": [1], "stop_token_ids": [-1] * 50_000}, "-1, " * 12),
+    ({"prompt": [1], "n" * 1000: 1}, "n" * (QUOTE_LIMIT + 1)),
+]
+
+
+@pytest.mark.parametrize("body, piece", LONG_INPUTS)
+def test_error_messages_quote_at_most_a_few_dozen_characters_of_input(tmp_path, body, piece):
+    from fastapi.testclient import TestClient
+
+    from samebits.server.app import build_app
+    from tests.server.live import tiny_engine
+    with TestClient(build_app(tiny_engine(tmp_path), "tiny", None)) as client:
+        r = client.post(CMPL, json=body)
+    assert 400 <= r.status_code < 500
+    error = r.json()["error"]
+    assert len(error["message"]) <= MESSAGE_LIMIT and piece not in error["message"]
+    assert error["param"] is None or piece not in error["param"]

@@ -24,7 +24,7 @@ def _evaluate(server, num_concurrent: int):
     from lm_eval.tasks import TaskManager
     lm = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL,
                              tokenizer_backend="remote", num_concurrent=num_concurrent,
-                             max_retries=1, max_length=1024)
+                             max_retries=1, max_length=1024, auth_token=API_KEY)
     out = lm_eval.simple_evaluate(model=lm, tasks=TASKS, log_samples=True,
                                   task_manager=TaskManager(include_path=str(TASK_DIR)))
     samples = {t: sorted(([s["doc_id"], s["arguments"], s["resps"]] for s in out["samples"][t]),

@@ -1,6 +1,6 @@
 """vLLM's tokenizer endpoints on a real server: /tokenize (prompt or messages, add_special_tokens,
-special-token text -> its id), /detokenize, /tokenizer_info, /version -- open without the API key,
-as vLLM."""
+special-token text -> its id), /detokenize, /tokenizer_info, /version -- behind the API key, as
+every endpoint but /health."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CHAT = [{"role": "user", "content": "Hello there"}]
 
 
 def _post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=60)
 
 
 def test_tokenize_prompt_equals_the_engine_tokenizer(server, offline_llm):
@@ -43,12 +43,12 @@ def test_detokenize_round_trips_and_keeps_special_tokens(server, offline_llm):
 
 
 def test_tokenizer_info_and_version(server, offline_llm):
-    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    info = httpx.get(f"{server.url}/tokenizer_info", headers=server.headers, timeout=60).json()
     tok = offline_llm.tokenizer
     assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (
         tok.eos_token, tok.bos_token, tok.pad_token)
     assert info["chat_template"] == tok.chat_template and info["tokenizer_class"]
-    assert httpx.get(f"{server.url}/version", timeout=60).json() == {
+    assert httpx.get(f"{server.url}/version", headers=server.headers, timeout=60).json() == {
         "version": samebits.__version__}
 
 

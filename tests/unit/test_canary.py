@@ -84,8 +84,24 @@ def test_engine_park_keeps_blocks_and_progress_abort_frees_them(engine):
     engine.add_request("r3", [1, 2, 3], PARAMS)
     engine.step()
     engine.park("r3")
-    with engine.prefix_cache_bypassed():
-        assert not engine.kv.enable_prefix_caching
-    assert engine.kv.enable_prefix_caching
     engine.abort("r3")
     assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
+
+
+def test_bypass_prefix_cache_neither_reads_nor_fills_the_cache(engine):
+    """A replay's request skips cached blocks another request filled, and fills none itself;
+    a plain request of the same prompt then hits what the first one cached."""
+    prompt = list(range(1, 41))  # several full blocks
+    _served(engine, "a", prompt)
+    replay = engine.add_request("b", prompt, PARAMS, bypass_prefix_cache=True)
+    list(engine.run_to_completion())
+    assert replay.num_cached_tokens == 0
+    fresh = engine.add_request("c", list(range(50, 90)), PARAMS, bypass_prefix_cache=True)
+    list(engine.run_to_completion())
+    again = engine.add_request("d", list(range(50, 90)), PARAMS)
+    list(engine.run_to_completion())
+    assert fresh.num_cached_tokens == 0 and again.num_cached_tokens == 0
+    hit = engine.add_request("e", prompt, PARAMS)
+    list(engine.run_to_completion())
+    assert hit.num_cached_tokens > 0
+    assert (replay.output_token_ids, replay.logprobs) == (hit.output_token_ids, hit.logprobs)

@@ -130,7 +130,7 @@ def test_decoder_equals_the_unfused_forward(backend: str, arch: str, dtype: torc
         assert torch.equal(k, k_old) and torch.equal(v, v_old)
     if grad:
         hidden.float().square().sum().backward()
-        assert model.layers[0].self_attn.qkv_proj.grad is not None
+        assert model.layers[0].self_attn.qkv_proj.weight.grad is not None
         assert model.layers[0].input_layernorm.grad is not None
         if arch == "qwen3":
             assert model.layers[1].self_attn.k_norm.grad is not None

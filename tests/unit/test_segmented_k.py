@@ -1,23 +1,25 @@
 """Segmented K on the CPU backend (``linear(x, w, k_bounds=...)``, ``linear_partials``,
-``silu_mul``) and the single-device decoder against a one-rank tensor-parallel model.
+``silu_mul``) and the decoder's row-parallel layers on one device against their tensor-parallel
+path.
 
 What they prove: the segmented product is the ordered fp32 sum of each segment's product computed
-alone on its contiguous slice (what a TP rank computes), row by row whatever M; the decoder's
-hidden states and logits equal the TP model's (segment by segment on contiguous weight copies)
-bitwise; and, as negative controls, one K chain gives other bits than the segments.
+alone on its contiguous slice (what a TP rank computes), row by row whatever M; a rank's shard
+spans are whole segments (o_proj: its KV groups' columns); the decoder's hidden states and logits
+with every row-parallel layer on its gathered-partials path (what N ranks compute) equal the
+one-call path bitwise; and, as negative controls, one K chain gives other bits than the segments.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 
-from samebits.config import ModelConfig
-from samebits.distributed.segments import Segments, bounds, k_bounds, row_parallel_bounds
+from samebits.models.parallel import RowParallelLinear, ShardSpec
 from samebits.ops import cpu_kernels, get_backend
-from samebits.ops.backend import AttentionMetadata, check_k_bounds, ordered_sum
+from samebits.ops.backend import AttentionMetadata, bounds, check_k_bounds, ordered_sum, row_parallel_bounds
 
 OPS = get_backend("cpu", batch_invariant=True)
 # the TP test model's shape: 12 heads / 6 KV heads of 16, an intermediate size of 200 (uneven)
@@ -40,14 +42,20 @@ def _alone(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return cpu_kernels.linear(xs, cpu_kernels.packed(ws, cdt), w.shape[0])
 
 
-def test_model_k_bounds_are_the_tp_segments():
-    cfg = ModelConfig.from_dict(CONFIG)
-    seg = Segments.for_model(cfg, 0, 1)
-    o, down = k_bounds(cfg, 12 * 16), k_bounds(cfg, 200)
-    assert [slice(*b) for b in o] == [seg.o_cols(cfg, g) for g in range(6)]
-    assert [slice(*b) for b in down] == [seg.mlp_slice(cfg, c) for c in range(6)]
-    assert down == tuple(bounds(200, 6)) == ((0, 34), (34, 68), (68, 101), (101, 134),
-                                             (134, 167), (167, 200))
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_rank_spans_are_whole_segments(n):
+    """o_proj's columns: rank r owns KV groups [r 6/n, (r+1) 6/n); down_proj's: the same
+    segments of the uneven intermediate slices; the ranks' spans tile the dimension."""
+    o = [ShardSpec(1, (192,), 6, r, n) for r in range(n)]
+    down = [ShardSpec(1, (200,), 6, r, n) for r in range(n)]
+    per = 6 // n
+    for r in range(n):
+        assert o[r].span(0) == (r * per * 32, (r + 1) * per * 32)  # 2 heads of 16 per group
+        cuts = bounds(200, 6)[r * per:(r + 1) * per]
+        assert down[r].span(0) == (cuts[0][0], cuts[-1][1])
+        assert down[r].local_bounds() == tuple((a - cuts[0][0], b - cuts[0][0]) for a, b in cuts)
+    assert [s.span(0) for s in down][-1][1] == 200 and sum(down[0].sizes(0)) == 200
+    assert bounds(200, 6) == [(0, 34), (34, 68), (68, 101), (101, 134), (134, 167), (167, 200)]
     assert row_parallel_bounds(192, 3) == ((0, 64), (64, 128), (128, 192))
 
 
@@ -111,21 +119,30 @@ def _meta(n: int) -> AttentionMetadata:
     return OPS.plan_attention(meta)
 
 
-def test_decoder_equals_one_rank_tp_model_bitwise(tmp_path):
-    """LlamaForCausalLM (segmented o_proj / down_proj in one call each) against TPModel on one
-    rank (one product per segment on contiguous copies, partials gathered and summed)."""
+def test_decoder_one_call_equals_gathered_partials_path_bitwise(tmp_path):
+    """The decoder on one device (o_proj / down_proj: one segmented ``linear`` call each) against
+    the same model with every row-parallel layer on its tensor-parallel path (per-segment
+    partials on the rank's columns, gathered, added in order, cast, bias)."""
     from samebits import LLM
-    from samebits.distributed.group import TPGroup
-    from samebits.distributed.model import TPModel
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     model = LLM(str(path), load_format="dummy", num_kv_blocks=8).engine.runner.model
-    tp = TPModel(model, TPGroup(0, 1, torch.device("cpu")))
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    assert len(rows) == 4
     for n in (1, 5, 40):
         ids, pos = torch.arange(10, 10 + n), torch.arange(n)
-        caches = [(torch.zeros(4, 16, 6, 16), torch.zeros(4, 16, 6, 16)) for _ in range(2)]
         with torch.inference_mode():
-            hidden = model(ids, pos, caches, _meta(n))
-            tp_hidden = tp(ids, pos, tp.allocate_caches(4, 16), _meta(n))
-            assert torch.equal(hidden, tp_hidden), n
-            assert torch.equal(model.compute_logits(hidden), tp.compute_logits(tp_hidden))
+            hidden = model(ids, pos, _caches(), _meta(n))
+            for m in rows:
+                m.forward = functools.partial(RowParallelLinear.gathered, m)
+            try:
+                gathered = model(ids, pos, _caches(), _meta(n))
+            finally:
+                for m in rows:
+                    del m.forward
+            assert torch.equal(hidden, gathered), n
+            assert torch.equal(model.compute_logits(hidden), model.compute_logits(gathered))
+
+
+def _caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(4, 16, 6, 16), torch.zeros(4, 16, 6, 16)) for _ in range(2)]

@@ -89,7 +89,7 @@ def test_linear_split_equals_fused_and_public_api() -> None:
 
 
 def _near_equal(k: int, s: int) -> tuple[tuple[int, int], ...]:
-    from samebits.distributed.segments import row_parallel_bounds
+    from samebits.ops.backend import row_parallel_bounds
     return row_parallel_bounds(k, s)
 
 

@@ -1,7 +1,7 @@
 """Batch-invariant paged causal attention on CUDA (prefill, chunked prefill and decode, GQA).
 
-Contract (design.md section 1, the arithmetic of reference.py): the query at position p reduces
-over KV positions [0, p] in splits of ``split_size`` keys; each split is walked in blocks of
+Contract (docs/DESIGN.md section 1.1, the arithmetic of reference.py): the query at position p
+reduces over KV positions [0, p] in splits of ``split_size`` keys; each split is walked in blocks of
 ``key_block(split_size)`` keys in ascending order (online softmax from an empty state), and the
 split partials are merged in ascending order. At the default split of 128 keys a split *is* one
 128-key block: its partial is (row max, dot(p, 1), dot(p, V)) from zero, with no rescaling inside

@@ -23,7 +23,8 @@ from samebits.ops.triton import activation, attention, launcher, linear, rms_nor
 # splits and key blocks); launch tuning that cannot change the bits lives in them too, so the
 # digest errs on the side of a new fingerprint.
 _ARITHMETIC_SOURCES = ("activation.py", "attention.py", "attention_kernels.py", "attention_gluon.py",
-                       "linear.py", "linear_kernels.py", "rms_norm.py", "rope.py", "softmax.py")
+                       "linear.py", "linear_kernels.py", "rms_norm.py", "rope.py", "softmax.py",
+                       "moe.py")
 
 
 def _arithmetic_digest() -> str:

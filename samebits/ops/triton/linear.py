@@ -6,21 +6,22 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
   only: by default ``num_segments(K, N)`` segments of ``segment_len(K, N)`` elements (a multiple of
   ``SEGMENT_ALIGN``; the last one may be shorter); with ``k_bounds`` (the row-parallel linears'
   segmented K, ``samebits.ops.backend``) exactly those, which must be near-equal (a run of lengths
-  q+1 then q, as ``samebits.distributed.segments.bounds`` cuts them: a ``SegmentLayout``).
+  q+1 then q, as ``samebits.ops.backend.bounds`` cuts them: a ``SegmentLayout``).
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
-  Today ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
+  ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
 - The segment partials are summed in order, ``((p0 + p1) + p2) + ...``, then the bias is added in
   fp32 and the sum is cast once to the output dtype (with ``k_bounds``: cast first, then the bias
   added in the output dtype, as every backend does for segmented K). ``partials`` returns the
   fp32 partials unsummed (a tensor-parallel rank's share).
 
 Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
-change the bits (design.md section 2, re-checked by tests/gpu/test_linear_bits.py). Two schedules
-give the same bits: *fused* (one program per output tile walks every segment, the partials kept in
-registers) and *split* (one program per tile and segment writes an fp32 partial, and
-``_sum_partials_kernel`` adds them in order) -- split-K parallelism for small M. With one segment,
-rows above 64 take ``_linear_tma_kernel`` (persistent, TMA loads), smaller ones the pointer kernel.
+change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). Two
+schedules give the same bits: *fused* (one program per output tile walks every segment, the
+partials kept in registers) and *split* (one program per tile and segment writes an fp32 partial,
+and ``_sum_partials_kernel`` adds them in order) -- split-K parallelism for small M. With one
+segment, rows above 64 take ``_linear_tma_kernel`` (persistent, TMA loads), smaller ones the
+pointer kernel.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""Tensor parallel against one GPU in the same run, JSON lines.
+
+    python benchmarks/tensor_parallel.py --model benchmarks/configs/qwen3-8b.json --tp 1 2
+
+Each tensor-parallel size runs in a process of its own (the GPUs start empty; default memory
+settings: ``gpu_memory_utilization=0.9``, the KV cache sized per rank), with dummy weights of the
+config's shapes. Per size it prints the start seconds, each rank's weight bytes and KV blocks, then
+per workload the generated tok/s and its ratio to the first size listed (TP 1): ``batch`` (64
+requests of 1024 prompt tokens, 256 generated each, all submitted at once) and ``decode-bs1``
+(one greedy request, 256 generated tokens after a 128-token prompt; each workload is run once
+to warm up, then timed). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >= 1.3x at TP 2.
+The bits agree across sizes where the backend runs the segmented K on one device
+(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+WORKLOADS = {"batch": (64, 1024, 256), "decode-bs1": (1, 128, 256)}  # requests, prompt, generated
+
+
+def run_size(args: argparse.Namespace, tp: int) -> None:
+    """One tensor-parallel size, in this process: a JSON line per workload."""
+    import torch
+
+    from samebits import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
+              max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    print(json.dumps({"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
+                      "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
+                      "kv_blocks": runner.num_blocks,
+                      "graphs": 0 if runner.graphs is None else len(runner.graphs.graphs),
+                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                      else "cpu"}), flush=True)
+    vocab = llm.engine.loaded.model_config.vocab_size
+    for name, (n, prompt, gen) in WORKLOADS.items():
+        n, prompt, gen = max(1, int(n * args.scale)), int(prompt * args.scale), int(gen * args.scale)
+        prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
+        params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
+        llm.generate(prompts, params)  # warm-up (no prefix caching: the timed run recomputes)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        print(json.dumps({"tp": tp, "workload": name, "requests": n, "prompt": prompt,
+                          "generated": gen, "seconds": round(seconds, 3),
+                          "tok_s": round(len(ids) / seconds, 1),
+                          "tokens_sha": hashlib.sha256(str(ids).encode()).hexdigest()[:16]}),
+              flush=True)
+    runner.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="benchmarks/configs/qwen3-8b.json")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="scale every workload's requests and lengths (a quick check on CPU)")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
+    args = p.parse_args()
+    if args.one is not None:
+        run_size(args, args.one)
+        return
+    lines: list[dict] = []
+    for tp in args.tp:
+        cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+               "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
+               "--one", str(tp)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode:
+            print(json.dumps({"tp": tp, "error": out.stderr.strip()[-2000:]}), flush=True)
+            continue
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                print(line, flush=True)
+                lines.append(json.loads(line))
+    base = {d["workload"]: d["tok_s"] for d in lines if d.get("tp") == args.tp[0]
+            and "workload" in d}
+    for d in lines:
+        if "workload" in d and d["tp"] != args.tp[0] and d["workload"] in base:
+            print(json.dumps({"workload": d["workload"], "tp": d["tp"],
+                              f"ratio_to_tp{args.tp[0]}": round(d["tok_s"] / base[d["workload"]],
+                                                                3),
+                              "same_tokens": d["tokens_sha"] == next(
+                                  x["tokens_sha"] for x in lines if x.get("tp") == args.tp[0]
+                                  and x.get("workload") == d["workload"])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Tensor-parallel ranks as processes (vLLM's shape): rank 0 is the engine's process -- it
+schedules, announces each model call to the other ranks, runs it on its own shard, and samples;
+ranks 1..N-1 are spawned processes (``samebits.engine.worker``) that load only their shard, run
+a runner of their own and make every call rank 0 announces.
+
+``start_runner(config)`` starts them all: the ranks load at the same time; each reports over a
+pipe that it loaded (or why it failed) before any process group exists, so a rank that fails to
+start is an error naming it, never a wait. Then the ranks join the process group and build their
+runners together. A watcher thread follows the ranks' processes: when one dies (killed, or an
+exception), the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming
+the rank (gloo fails a collective whose peer closed its connection; an NCCL group is aborted).
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import contextlib
+import multiprocessing as mp
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from samebits.config import EngineConfig
+from samebits.distributed.group import TPGroup
+from samebits.engine.runner import ModelRunner
+from samebits.engine.worker import rank_main
+from samebits.loader import LoadedModel, load, rank_device
+
+DEATH_GRACE_S = 5.0  # how long a failed collective waits for the watcher to name a dead rank
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank's process died or failed; the message names the rank."""
+
+
+def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> ModelRunner:
+    """Rank 0's runner; under tensor parallel the other ranks are started first."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(loaded or load(config), config)
+    if loaded is not None:
+        raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; do not pass "
+                         "a loaded model")
+    check_main_guard()
+    ranks = Ranks(config)
+    try:
+        group = TPGroup(0, config.tensor_parallel_size, rank_device(config, 0))
+        loaded = load(config, group)
+        ranks.wait_ready()
+        group.connect(ranks.init_method)
+        ranks.watch(group)
+        with ranks.guard():
+            runner = ModelRunner(loaded, config, peers=ranks)
+    except BaseException:
+        ranks.close()
+        raise
+    weakref.finalize(runner, ranks.close)
+    atexit.register(ranks.close)
+    return runner
+
+
+class Ranks:
+    """Rank 0's handle on ranks 1..N-1: their processes, the pipe each reports on, and the
+    announcements of the calls they follow (``ModelRunner.follow``)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.world = config.tensor_parallel_size
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.group: TPGroup | None = None
+        self.failure: str | None = None
+        self.closing = False
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
+        self.pipes: dict[int, Connection] = {}
+        self.procs: dict[int, mp.Process] = {}
+        for rank in range(1, self.world):
+            mine, theirs = ctx.Pipe(duplex=False)
+            self.procs[rank] = ctx.Process(
+                target=rank_main, name=f"samebits-tp-rank-{rank}", daemon=True,
+                args=(config, rank, self.init_method, theirs, torch.get_num_threads()))
+            self.pipes[rank] = mine
+        for proc in self.procs.values():
+            proc.start()
+
+    def wait_ready(self) -> None:
+        """Until every rank loaded its shard; ``RankFailedError`` naming the first that failed
+        or exited instead."""
+        waiting = set(self.procs)
+        while waiting:
+            handles = {self.pipes[r]: r for r in waiting} | {self.procs[r].sentinel: r
+                                                             for r in waiting}
+            for handle in wait(list(handles)):
+                rank = handles[handle]
+                if handle is self.pipes[rank] and self._message(rank) == "ready":
+                    waiting.discard(rank)
+                elif rank in waiting:
+                    raise RankFailedError(self._death(rank, starting=True))
+
+    def _message(self, rank: int) -> str:
+        try:
+            kind, text = self.pipes[rank].recv()
+        except (EOFError, OSError):
+            raise RankFailedError(self._death(rank, starting=True)) from None
+        if kind == "error":
+            raise RankFailedError(f"tensor-parallel rank {rank} failed to start: {text}")
+        return kind
+
+    def _death(self, rank: int, starting: bool) -> str:
+        proc = self.procs[rank]
+        proc.join(DEATH_GRACE_S)
+        code = proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        text = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        error = self._last_error(rank)
+        if error is not None:
+            return f"{text}: {error}"
+        if starting:
+            text += (" before it loaded its shard. Ranks are spawned processes that import the "
+                     "main module: a script that starts the engine at module level needs "
+                     "`if __name__ == \"__main__\":` around it")
+        return text
+
+    def _last_error(self, rank: int) -> str | None:
+        """The error a rank reported on its pipe before it exited, if any."""
+        pipe, error = self.pipes[rank], None
+        with contextlib.suppress(EOFError, OSError):
+            while pipe.poll():
+                kind, text = pipe.recv()
+                error = text if kind == "error" else error
+        return error
+
+    def watch(self, group: TPGroup) -> None:
+        """Follow the ranks' processes from a thread: the first to die unasked is recorded and
+        the group aborted, so rank 0 never waits for it."""
+        self.group = group
+        threading.Thread(target=self._watch, name="samebits-tp-watcher", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r for r, p in self.procs.items()}
+        ready = wait(list(sentinels))
+        if self.closing:
+            return
+        self.failure = self._death(sentinels[ready[0]], starting=False)
+        self.group.abort()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+
+    def announce(self, op: str, *args: Any) -> None:
+        self.check()
+        self.group.broadcast_object((op, args))
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """An exception while the ranks work (a collective whose peer died) becomes the dead
+        rank's ``RankFailedError`` once the watcher has named it."""
+        try:
+            yield
+        except RankFailedError:
+            raise
+        except Exception as e:
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.failure is not None:
+                raise RankFailedError(self.failure) from e
+            raise
+
+    def close(self) -> None:
+        """Stop the ranks and leave the process group (idempotent)."""
+        if self.closing:
+            return
+        self.closing = True
+        if self.group is not None and self.group.connected and self.failure is None:
+            with contextlib.suppress(Exception):
+                self.group.broadcast_object(("stop", ()))
+        for proc in self.procs.values():
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.group.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_main_guard() -> None:
+    """Raise if the engine is being started by the main script's module-level code outside an
+    ``if __name__ == "__main__":`` block: the spawned ranks import the main module, so they
+    would start engines of their own (Python's spawn forbids it) instead of loading a shard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if main is None or path is None or not path.endswith(".py"):
+        return  # an interactive session, python -c, or a console script: nothing re-runs
+    if spec is not None and spec.name.endswith(".__main__"):
+        return  # python -m package: spawn does not import a package's __main__ again
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or _guarded(path, frame.f_lineno):
+        return
+    raise RuntimeError(
+        f"{path}, line {frame.f_lineno}: tensor_parallel_size > 1 starts the ranks as spawned "
+        "processes, which import the main module; put the code that creates the engine under "
+        "`if __name__ == \"__main__\":` (as with vLLM and Python's multiprocessing)")
+
+
+def _guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script lies inside an ``if __name__ == "__main__":`` block."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let Python's own check speak
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.body:
+            first, last = node.body[0], node.body[-1]
+            if first.lineno <= line <= (last.end_lineno or last.lineno):
+                return True
+    return False
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = {s.id for s in sides if isinstance(s, ast.Name)}
+    consts = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return names == {"__name__"} and consts == {"__main__"}

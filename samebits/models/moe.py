@@ -1,0 +1,152 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE (shared expert + sigmoid gate) and Mixtral.
+
+The Llama decoder (``samebits.models.llama``) with the MLP of each sparse layer
+(``MoeConfig.is_sparse``: ``decoder_sparse_step`` / ``mlp_only_layers``) replaced by a
+``SparseMoeBlock``: router logits (the backend's linear), routing (``samebits.ops.moe.
+select_experts``: fp32 softmax, top-k with ties to the lowest expert id), the experts and their
+fixed-order fp32 combine (``samebits.ops.moe.fused_experts``). Attention, norms, the dense MLPs
+(and Qwen2-MoE's shared expert, a dense MLP) and the LM head are the Llama decoder's own.
+
+Expert weights are stacked at load: ``experts_gate_up`` holds expert e's gate rows then its up
+rows at rows [2 I e, 2 I (e + 1)) ([E, 2I, H] as a view, transformers' in-memory layout),
+``experts_down`` expert e's down_proj at rows [H e, H (e + 1)) ([E, H, I]). Each is one fused
+parameter whose shards are the per-expert HF tensors (``model.layers.L.mlp.experts.e.gate_proj.
+weight``...; Mixtral: ``block_sparse_moe.experts.e.w1/w3/w2``), so loading, ``update_weights``,
+``named_weights`` and ``save_pretrained`` speak the checkpoint's per-expert names.
+
+One device only: experts are not sharded over tensor-parallel ranks (a clear error at build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from samebits.distributed.group import TPGroup
+from samebits.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from samebits.models.moe_config import MoeModelConfig
+from samebits.models.parallel import replicated_param
+from samebits.models.weights import fused_param, load_weights, tensor_shape
+from samebits.ops.backend import OpBackend
+from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + ``E`` SwiGLU experts (+ Qwen2-MoE's gated shared expert) over [T, H] tokens."""
+
+    def __init__(self, cfg: MoeModelConfig, group: TPGroup) -> None:
+        super().__init__()
+        moe = self.moe = cfg.moe
+        e, h, i = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size
+        self.gate = replicated_param(e, h)  # router weight
+        self.experts_gate_up = fused_param([i] * (2 * e), h)  # [E, 2I, H] as a view
+        self.experts_down = fused_param([h] * e, i)  # [E, H, I] as a view
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            shared = dataclasses.replace(cfg, intermediate_size=moe.shared_expert_intermediate_size)
+            self.shared_expert = MLP(shared, group)
+            self.shared_expert_gate = replicated_param(1, h)
+
+    def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        logits = ops.linear(h, self.gate)  # [T, E] in h's dtype
+        weights, ids = select_experts(ops, logits, moe.top_k, moe.renormalize,
+                                      moe.round_weights)
+        shared = scale = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(ops, h)
+            scale = sigmoid_gate(ops, ops.linear(h, self.shared_expert_gate))
+        e = moe.num_experts
+        return fused_experts(ops, h, self.experts_gate_up.view(e, -1, h.shape[-1]),
+                             self.experts_down.view(e, h.shape[-1], -1), weights, ids, shared,
+                             scale)
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """The Llama layer (``DecoderLayer.forward``) with a sparse block or a dense MLP."""
+
+    def __init__(self, cfg: MoeModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
+                 index: int) -> None:
+        nn.Module.__init__(self)
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = replicated_param(cfg.hidden_size)
+        self.post_attention_layernorm = replicated_param(cfg.hidden_size)
+        self.self_attn = Attention(cfg, group, qk_norm, bias)
+        self.mlp = (SparseMoeBlock(cfg, group) if cfg.moe.is_sparse(index)
+                    else MLP(cfg, group))
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM (one device)."""
+
+    def __init__(self, cfg: MoeModelConfig, ops: OpBackend, max_model_len: int,
+                 group: TPGroup | None = None) -> None:
+        if group is not None and group.world_size > 1:
+            raise ValueError(f"tensor_parallel_size={group.world_size}: {cfg.architecture} "
+                             "(mixture of experts) runs on one device only")
+        super().__init__(cfg, ops, max_model_len, group)
+
+    def decoder_layer(self, cfg: MoeModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
+                      index: int) -> nn.Module:
+        return MoeDecoderLayer(cfg, group, qk_norm, bias, index)
+
+    # ---- HF names ------------------------------------------------------------------------
+    @property
+    def _mixtral(self) -> bool:
+        return self.cfg.architecture == "MixtralForCausalLM"
+
+    def hf_names(self, param_name: str) -> list[str]:
+        """HF tensor name of each shard of ``param_name``: one per expert (and gate / up)."""
+        head, _, leaf = param_name.rpartition(".")  # "layers.3.mlp", "experts_gate_up"
+        if leaf in ("experts_gate_up", "experts_down"):
+            names = list(self._expert_names(f"model.{head}.experts", leaf))
+        else:
+            names = super().hf_names(param_name)
+        return [self.hf_rename(n) for n in names]
+
+    def _expert_names(self, prefix: str, leaf: str) -> Iterator[str]:
+        gate, up, down = _EXPERT_NAMES[self._mixtral]
+        for e in range(self.cfg.moe.num_experts):
+            if leaf == "experts_down":
+                yield f"{prefix}.{e}.{down}.weight"
+            else:
+                yield f"{prefix}.{e}.{gate}.weight"
+                yield f"{prefix}.{e}.{up}.weight"
+
+    def hf_rename(self, name: str) -> str:
+        """A name as Mixtral's checkpoints spell it: ``block_sparse_moe`` for transformers'
+        in-memory ``mlp`` (also what ``save_original_format=False`` writes)."""
+        return name.replace(".mlp.", ".block_sparse_moe.") if self._mixtral else name
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Per-expert HF tensors (as transformers saves them), or transformers' stacked
+        in-memory form (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I],
+        ``save_original_format=False``) split into them."""
+        load_weights(self, _unstacked(weights, self._mixtral))
+
+
+_EXPERT_NAMES = {False: ("gate_proj", "up_proj", "down_proj"), True: ("w1", "w3", "w2")}
+
+
+def _unstacked(weights: Iterable[tuple[str, Any]], mixtral: bool
+               ) -> Iterator[tuple[str, Any]]:
+    """Each stacked expert tensor (or safetensors slice) as its per-expert HF tensors; others
+    unchanged."""
+    gate, up, down = _EXPERT_NAMES[mixtral]
+    for name, t in weights:
+        stem, _, leaf = name.rpartition(".experts.")
+        if leaf not in ("gate_up_proj", "down_proj") or len(tensor_shape(t)) != 3:
+            yield name, t
+            continue
+        t = t if isinstance(t, torch.Tensor) else t[:]
+        for e in range(t.shape[0]):
+            if leaf == "down_proj":
+                yield f"{stem}.experts.{e}.{down}.weight", t[e]
+            else:
+                half = t.shape[1] // 2
+                yield f"{stem}.experts.{e}.{gate}.weight", t[e, :half]
+                yield f"{stem}.experts.{e}.{up}.weight", t[e, half:]

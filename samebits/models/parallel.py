@@ -1,0 +1,208 @@
+"""Tensor-parallel layers whose bits do not depend on the number of ranks.
+
+Every sharded dimension is cut into a fixed number of segments S (the model's KV heads), whatever
+the tensor-parallel size N (which must divide S): ``bounds(size, S)`` near-equal slices, rank r
+owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments.
+
+- ``ColumnParallelLinear``: output rows split; each rank computes its own rows' outputs (a product's
+  output column does not depend on the other columns). A fused layer (``QKVParallelLinear``; gate
+  and up, two ``output_sizes``) splits each packed shard the same way, so a rank's q/k/v rows are
+  its KV groups' and its gate/up rows the intermediate slices its down_proj columns multiply.
+- ``RowParallelLinear``: input columns split; owns the segmented-K arithmetic. A rank computes one
+  fp32 partial product per owned K segment, the partials of all ranks are gathered and added in
+  segment order, cast once, then the bias is added: on one device ``ops.linear(..., k_bounds)``
+  computes exactly this in one call (``samebits.ops.backend``). So N = 1, 2, 3... give the same
+  bits. The standard mode all-reduces one local product instead (its bits depend on N).
+- ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
+  are gathered in rank order, never summed.
+
+Loading (nano-vLLM's pattern): every parameter has ``weight_loader(param, loaded, shard)``, which
+reads only this rank's rows or columns of the checkpoint tensor ``loaded`` (a tensor, or a
+safetensors slice: only the shard is read) into shard ``shard`` of the parameter; its ``spec``
+(``ShardSpec``) tells ``samebits.models.weights`` the full shape behind each shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from samebits.distributed.group import TPGroup
+from samebits.ops.backend import KBounds, OpBackend, bounds, ordered_sum
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter's checkpoint tensors are split over the ranks: along ``dim``, each packed
+    shard i of full size ``full_sizes[i]`` cut into ``segments`` near-equal slices, rank r owning
+    the contiguous slices [r S/N, (r+1) S/N). ``dim`` None: replicated (every rank the whole)."""
+
+    dim: int | None
+    full_sizes: tuple[int, ...]
+    segments: int
+    rank: int
+    world_size: int
+
+    def span(self, shard: int, rank: int | None = None) -> tuple[int, int]:
+        """[lo, hi) of rank ``rank`` (this rank by default) in shard ``shard``, along ``dim``."""
+        if self.dim is None:
+            return 0, self.full_sizes[shard]
+        r = self.rank if rank is None else rank
+        per = self.segments // self.world_size
+        cuts = bounds(self.full_sizes[shard], self.segments)
+        return cuts[r * per][0], cuts[(r + 1) * per - 1][1]
+
+    def sizes(self, shard: int) -> list[int]:
+        """Every rank's length of shard ``shard`` along ``dim``, in rank order."""
+        return [hi - lo for lo, hi in (self.span(shard, r) for r in range(self.world_size))]
+
+    def local_bounds(self, shard: int = 0) -> KBounds:
+        """This rank's owned segments of shard ``shard``, re-based to its own columns."""
+        per = self.segments // self.world_size
+        cuts = bounds(self.full_sizes[shard], self.segments)[self.rank * per:(self.rank + 1) * per]
+        lo = cuts[0][0]
+        return tuple((a - lo, b - lo) for a, b in cuts)
+
+
+def check_divides(group: TPGroup, segments: int) -> None:
+    if segments % group.world_size:
+        raise ValueError(f"tensor_parallel_size={group.world_size} must divide the model's "
+                         f"{segments} KV heads")
+
+
+def _param(spec: ShardSpec, *shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.spec = spec
+    if len(spec.full_sizes) > 1:  # a fused parameter: its shards are row blocks
+        p.shard_sizes = [hi - lo for lo, hi in (spec.span(i) for i in range(len(spec.full_sizes)))]
+    p.weight_loader = sharded_weight_loader
+    return p
+
+
+def replicated_param(*shape: int) -> nn.Parameter:
+    """A parameter every rank holds whole (norms, a bias added after the row-parallel sum)."""
+    return _param(ShardSpec(None, (shape[0],), 1, 0, 1), *shape)
+
+
+def sharded_weight_loader(param: nn.Parameter, loaded: Any, shard: int | None = None) -> None:
+    """Copy this rank's part of checkpoint tensor ``loaded`` (shard ``shard`` of a fused
+    parameter) into the parameter, converting to its dtype."""
+    spec, i = param.spec, shard or 0
+    dest = param.data
+    if shard is not None:
+        start = sum(param.shard_sizes[:shard])
+        dest = dest.narrow(0, start, param.shard_sizes[shard])
+    lo, hi = spec.span(i)
+    index = (slice(None),) * (spec.dim or 0) + (slice(lo, hi),)
+    dest.copy_(loaded[index])  # a safetensors slice reads only these rows / columns
+
+
+class ColumnParallelLinear(nn.Module):
+    """x [..., K] -> this rank's output columns [..., sum of its rows]. ``output_sizes``: the
+    full rows of each packed shard (one entry: not fused)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], segments: int, group: TPGroup,
+                 bias: bool = False) -> None:
+        super().__init__()
+        check_divides(group, segments)
+        self.group = group
+        spec = ShardSpec(0, tuple(output_sizes), segments, group.rank, group.world_size)
+        rows = sum(hi - lo for lo, hi in (spec.span(i) for i in range(len(output_sizes))))
+        self.weight = _param(spec, rows, input_size)
+        self.bias = _param(spec, rows) if bias else None
+
+    def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """[q; k; v] fused; a rank's rows are its KV groups' q heads, k heads and v heads."""
+
+    def __init__(self, hidden: int, head_dim: int, hq: int, hkv: int, group: TPGroup,
+                 bias: bool = False) -> None:
+        super().__init__(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim], hkv, group,
+                         bias)
+        self.hq, self.hkv = hq // group.world_size, hkv // group.world_size  # this rank's
+
+
+class RowParallelLinear(nn.Module):
+    """x [..., this rank's K columns] -> [..., N], summed over every rank's K segments."""
+
+    def __init__(self, input_size: int, output_size: int, segments: int, group: TPGroup,
+                 bias: bool = False) -> None:
+        super().__init__()
+        check_divides(group, segments)
+        self.group = group
+        spec = ShardSpec(1, (input_size,), segments, group.rank, group.world_size)
+        lo, hi = spec.span(0)
+        self.weight = _param(spec, output_size, hi - lo)
+        self.bias = replicated_param(output_size) if bias else None
+        # this rank's K segments, in its own columns; None: one K chain (a negative control)
+        self.k_bounds: KBounds | None = spec.local_bounds()
+
+    def segments(self, ops: OpBackend) -> KBounds | None:
+        """The K segments in force: the backend's choice on one device; under tensor parallel
+        the invariant mode always runs them (the standard mode never)."""
+        if self.group.world_size == 1:
+            return self.k_bounds if ops.row_parallel_segments else None
+        return self.k_bounds if ops.batch_invariant else None
+
+    def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return ops.linear(x, self.weight, self.bias, k_bounds=self.segments(ops))
+        if not ops.batch_invariant:
+            out = self.group.all_reduce_sum(ops.linear(x, self.weight))
+            return out if self.bias is None else out + self.bias
+        return self.gathered(ops, x)
+
+    def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's per-segment partials gathered and added in segment order, cast, then the
+        bias: the bits of ``ops.linear(x_full, w_full, b, k_bounds)`` on one device."""
+        partials = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
+        out = ordered_sum(partials).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids -> rows of the embedding table; a rank holds its vocab segments' rows."""
+
+    def __init__(self, vocab_size: int, hidden: int, segments: int, group: TPGroup) -> None:
+        super().__init__()
+        check_divides(group, segments)
+        self.group = group
+        spec = ShardSpec(0, (vocab_size,), segments, group.rank, group.world_size)
+        self.vocab_start, self.vocab_end = spec.span(0)
+        self.weight = _param(spec, self.vocab_end - self.vocab_start, hidden)
+        ends = [spec.span(0, r)[1] for r in range(group.world_size)]
+        self.register_buffer("rank_ends", torch.tensor(ends), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        every = self.group.all_gather(local.unsqueeze(0))  # [N, T, H]
+        owner = torch.searchsorted(self.rank_ends, input_ids, right=True)
+        return every[owner, torch.arange(input_ids.shape[0], device=input_ids.device)]
+
+
+class ParallelLMHead(nn.Module):
+    """hidden [M, H] -> fp32 logits [M, V]: each rank scores its vocab rows, gathered in rank
+    order. ``tied``: the embedding whose (identically split) table is the head."""
+
+    def __init__(self, vocab_size: int, hidden: int, segments: int, group: TPGroup,
+                 tied: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        check_divides(group, segments)
+        self.group, self.tied = group, tied is not None
+        self.spec = ShardSpec(0, (vocab_size,), segments, group.rank, group.world_size)
+        rows = self.spec.sizes(0)[group.rank]
+        self.weight = tied.weight if tied is not None else _param(self.spec, rows, hidden)
+
+    def forward(self, ops: OpBackend, hidden: torch.Tensor) -> torch.Tensor:
+        local = ops.linear(hidden, self.weight).float()
+        return self.group.gather_cat(local, self.spec.sizes(0), dim=-1)

@@ -1,0 +1,141 @@
+"""Tensor-parallel faults end in an error naming the rank, never in a wait (CPU, gloo, 2 ranks).
+
+What they prove: after rank 1 is killed (SIGKILL) the next ``generate`` raises
+``RankFailedError`` naming rank 1 and the signal within 30 s, and ``check_health`` raises it too;
+a rank whose start fails (an exception while it loads) makes ``LLM(...)`` raise within 30 s with
+the rank and its error; a script that would start the engine at module level without an
+``if __name__ == "__main__":`` guard gets a clear error (nothing is spawned), a guarded one does
+not; and when rank 0's process is killed, the other ranks exit. Rank 0 of a running TP 2 engine
+holds about half of the sharded weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from samebits import LLM, SamplingParams
+from samebits.engine.executor import RankFailedError, check_main_guard
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
+ROOT = Path(__file__).parents[2]
+FAILING_START = '''
+import sys, time
+import samebits.engine.worker as worker
+if __name__ == "__mp_main__":  # the spawned rank imports this script under this name
+    def broken(*args, **kwargs):
+        raise RuntimeError("shard file unreadable")
+    worker.load = broken
+if __name__ == "__main__":
+    from samebits import LLM
+    start = time.monotonic()
+    try:
+        LLM(sys.argv[1], load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2)
+    except Exception as e:
+        print(type(e).__name__, "|", e, "|", time.monotonic() - start)
+'''
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("faults") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+def test_killed_rank_raises_naming_it_within_30s(config_path):
+    llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2)
+    try:
+        runner = llm.engine.runner
+        sharded = sum(p.numel() for p in runner.model.parameters() if p.spec.dim is not None)
+        assert sharded == pytest.approx(_sharded_total() / 2, rel=0.05)  # rank 0: its half
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+        os.kill(runner.peers.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+        assert time.monotonic() - start < 30
+        with pytest.raises(RankFailedError, match="rank 1"):
+            runner.check_health()
+    finally:
+        llm.engine.runner.shutdown()
+
+
+def _sharded_total() -> int:
+    """Elements of the config's matrices (and nothing replicated): embedding + LM head, q/k/v,
+    o, gate/up, down."""
+    h, i, v, d = 32, 48, 64, 8
+    return 2 * v * h + (4 + 2 + 2) * d * h + 4 * d * h + 2 * i * h + i * h
+
+
+def test_rank_failing_at_start_raises_naming_it_within_30s(config_path, tmp_path):
+    script = tmp_path / "failing_start.py"
+    script.write_text(FAILING_START)
+    out = subprocess.run([sys.executable, str(script), config_path], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env=_env())
+    kind, message, seconds = out.stdout.strip().split(" | ")
+    assert kind == "RankFailedError"
+    assert message == "tensor-parallel rank 1 failed to start: RuntimeError: shard file unreadable"
+    assert float(seconds) < 30
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+
+
+def _run_as_main(path: Path, source: str, monkeypatch) -> None:
+    """Execute ``source`` as the ``__main__`` script ``path`` (as ``python path`` would)."""
+    path.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(path)
+    main.check_main_guard = check_main_guard
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    exec(compile(source, str(path), "exec"), vars(main))  # noqa: S102
+
+
+def test_unguarded_main_script_gets_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match=r'line 2: .*`if __name__ == "__main__":`'):
+        _run_as_main(tmp_path / "unguarded.py", "import sys\ncheck_main_guard()\n", monkeypatch)
+    _run_as_main(tmp_path / "guarded.py",
+                 'import sys\nif __name__ == "__main__":\n    check_main_guard()\n', monkeypatch)
+
+
+@pytest.mark.slow
+def test_other_ranks_exit_when_rank_0_is_killed(config_path, tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\nfrom samebits import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], load_format='dummy', num_kv_blocks=8, tensor_parallel_size=2)\n"
+        "    print(llm.engine.runner.peers.procs[1].pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script), config_path], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=_env())
+    worker = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.2)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() \
+        else "X"
+    return state not in ("Z", "X")
