@@ -13,7 +13,7 @@ from samebits.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from samebits.engine.grammar import GrammarState
     from samebits.engine.isolation import RequestError
-    from samebits.engine.output_processor import OutputText
+    from samebits.text.output_text import OutputText
 
 
 class SequenceStatus(enum.Enum):
