@@ -20,12 +20,13 @@ from samebits.engine.context_length import check_context_length
 from samebits.engine.executor import start_runner
 from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
-from samebits.engine.isolation import RequestError, cause, token_cause
+from samebits.engine.isolation import cause, token_cause
 from samebits.engine.kv_cache import KVCacheManager
 from samebits.engine.logits_processor import with_bad_words_token_ids
 from samebits.engine.output_processor import OutputProcessor
 from samebits.engine.pooling import PoolingSequence, pooling_sequence
 from samebits.engine.pooling_runner import pooling_runner
+from samebits.engine.request_error import RequestError
 from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import Sequence

@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,7 +48,6 @@ from samebits.engine.grammar_limits import check_limits
 from samebits.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from samebits.engine.sequence import Sequence
     from samebits.text.tokenizer import Tokenizer
 
 CACHE_BYTES = 64 << 20  # compiled grammars kept (their xgrammar memory_size_bytes)
@@ -209,7 +208,13 @@ def _first_mask_allows_any(compiled: Any, vocab_size: int) -> bool:
     return bool(_unpack(bitmask, vocab_size).any())
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+class Constrained(Protocol):
+    """What the masks read of a sequence: its matcher, or None when unconstrained."""
+
+    grammar: GrammarState | None
+
+
+def apply_grammar_masks(logits: torch.Tensor, seqs: Seq[Constrained]) -> torch.Tensor:
     """logits [B, V] -> a copy with each constrained row's disallowed tokens at -inf (row i is
     seqs[i]'s); the input itself when no row is constrained. ``GrammarError`` when a constrained
     row allows no token (its request cannot go on)."""

@@ -18,27 +18,18 @@ is elementwise within its own row (``samebits.engine.logits_processor``,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from samebits.engine.grammar import GrammarError, apply_grammar_masks
 from samebits.engine.logits_processor import apply_logits_processors
+from samebits.engine.request_error import RequestError
 from samebits.engine.sequence import Sequence
 
 MAX_CAUSE_CHARS = 200  # an error message keeps at most this much of an exception's text
 NON_FINITE = "the model's logits for this request are not finite (NaN or infinity)"
 _STAGES = (("logits processors", apply_logits_processors),
            ("structured output", apply_grammar_masks))
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """Why one request failed alone. ``invalid_request``: its own input made it fail (its output
-    constraint can no longer be met), not the server."""
-
-    message: str
-    invalid_request: bool = False
 
 
 def processed_logits(logits: torch.Tensor, seqs: list[Sequence],

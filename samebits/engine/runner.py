@@ -22,8 +22,9 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
-from samebits.engine.isolation import RequestError, processed_logits
+from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
+from samebits.engine.request_error import RequestError
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later

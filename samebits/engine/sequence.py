@@ -12,7 +12,7 @@ from samebits.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from samebits.engine.grammar import GrammarState
-    from samebits.engine.isolation import RequestError
+    from samebits.engine.request_error import RequestError
     from samebits.text.output_text import OutputText
 
 

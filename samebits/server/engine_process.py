@@ -28,7 +28,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from samebits.config import EngineConfig
+from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
+from samebits.llm_options import loaded_with_tokenizer
 from samebits.server.engine_core import CoreOutputs, EngineCore, Stop
 from samebits.text.tokenizer import Tokenizer
 
@@ -207,7 +209,6 @@ def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
-    from samebits.server.launch import engine_with_tokenizer
     try:
         engine = engine_with_tokenizer(config, tokenizer)
     except BaseException as e:
@@ -226,3 +227,10 @@ def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str
         finally:
             outbox.close()
     conn.close()
+
+
+def engine_with_tokenizer(config: EngineConfig, tokenizer: str | None) -> LLMEngine:
+    """An engine; with ``tokenizer`` (a directory or a hub id), that tokenizer instead of the
+    model's (as ``LLM(tokenizer=...)``; one rank only: under tensor parallel each rank loads its
+    own shard)."""
+    return LLMEngine(config, loaded_with_tokenizer(config, tokenizer, None, None))

@@ -10,8 +10,7 @@ import socket
 
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
-from samebits.llm_options import loaded_with_tokenizer
-from samebits.server.engine_process import EngineProcess
+from samebits.server.engine_process import EngineProcess, engine_with_tokenizer
 
 # vLLM flags samebits accepts with no effect, and why (each is logged once at start)
 NO_EFFECT = {
@@ -66,10 +65,3 @@ def load_engine(args: argparse.Namespace) -> LLMEngine | EngineProcess:
     if getattr(args, "no_engine_process", False):
         return engine_with_tokenizer(config, tokenizer)
     return EngineProcess(config, args.log_level, tokenizer)
-
-
-def engine_with_tokenizer(config: EngineConfig, tokenizer: str | None) -> LLMEngine:
-    """An engine; with ``tokenizer`` (a directory or a hub id), that tokenizer instead of the
-    model's (as ``LLM(tokenizer=...)``; one rank only: under tensor parallel each rank loads its
-    own shard)."""
-    return LLMEngine(config, loaded_with_tokenizer(config, tokenizer, None, None))
