@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from samebits import LLM
+from samebits.engine.pooling import embedding_inputs
 
 WORDS = ("the of and a to in is was for on that with as by at from it an be this which or are "
          "river model batch vector kernel request engine market garden winter reproducible "
@@ -42,7 +43,7 @@ def make_texts(n: int, seed: int = 0) -> list[str]:
 def samebits_system(model: str | None, invariant: bool, device: str) -> tuple[Embed, LLM]:
     llm = LLM(model, task="embed", batch_invariant=invariant, device=device, dtype="float32",
               max_num_seqs=256, max_num_batched_tokens=256 * 512)
-    return (lambda texts, _: torch.tensor(llm.embed(texts))), llm
+    return (lambda texts, _: torch.tensor([o.outputs.embedding for o in llm.embed(texts)])), llm
 
 
 def st_system(device: str, half: bool, model_dir: str) -> Embed:
@@ -111,8 +112,8 @@ def main() -> None:
     args = ap.parse_args()
     texts = make_texts(args.num_texts)
     _, probe = samebits_system(args.model, True, "cpu")
-    n_tokens = sum(len(i) for i in probe.embedder.tokenize(texts))
-    model_dir = str(probe.embedder.model_dir)
+    n_tokens = sum(len(i) for i in embedding_inputs(probe.engine.loaded).tokenize(texts))
+    model_dir = str(probe.engine.loaded.model_dir)
     order = list(range(len(texts)))
     random.Random(1).shuffle(order)
     summary: dict[str, dict] = {}

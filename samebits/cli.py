@@ -91,7 +91,8 @@ def _verify_url(args: argparse.Namespace) -> int:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on (checked free before the model loads)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*; repeat to accept several "
                    "keys (default: SAMEBITS_API_KEY, comma-separated keys); an empty key is an "
@@ -101,8 +102,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                    help="requests that may wait beyond those running; past it, 503 with "
                    "Retry-After (None: no limit)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send; None: derived from --model")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may send for the model (the first is the one "
+                   "reported); the model as given to serve is always served too")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the per-request seeds drawn for requests without one")
     p.add_argument("--task", default="generate", choices=["generate", "embed"],
@@ -128,6 +130,48 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     server_limits.add_cli_args(p)
 
 
+def _vllm_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags: honoured where samebits has their meaning, accepted with a logged note
+    where they have no effect here (samebits.server.launch.NO_EFFECT)."""
+    p.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_const",
+                   const=False, default=argparse.SUPPRESS,
+                   help="reuse cached KV blocks of a shared prefix (the default)")
+    p.add_argument("--no-enable-prefix-caching", dest="no_prefix_caching", action="store_const",
+                   const=True, default=argparse.SUPPRESS,
+                   help="never reuse cached KV blocks (as --no-prefix-caching)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer directory to use instead of the model's own")
+    p.add_argument("--max-logprobs", type=_max_logprobs, default=20, metavar="N",
+                   help="the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request "
+                   "may ask for, 0 to 20")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted; no effect (samebits runs no model code from checkpoints)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted; no effect (samebits does not log requests)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted; no effect (tool calls are always parsed)")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="accepted; no effect (samebits parses Hermes <tool_call> blocks)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1 to 65535)")
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 20:
+        raise argparse.ArgumentTypeError(f"must be in [0, 20] (samebits returns at most 20 "
+                                         f"logprobs), got {text}")
+    return value
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -135,9 +179,28 @@ def _rate(text: str) -> float:
     return value
 
 
+def settle_serve_args(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's form) or ``serve --model MODEL``: either sets ``args.model``; two
+    different models are a usage error, as is ``--tokenizer`` for an embedding model."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            args.parser.error(f"the model is given twice: {args.model_tag!r} and --model "
+                              f"{args.model!r}")
+        args.model = args.model_tag
+    if args.task == "embed" and args.tokenizer is not None:
+        args.parser.error("--tokenizer applies to a generation model (an embedding model reads "
+                          "its own tokenizer)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """OpenAI-compatible HTTP server (samebits.server)."""
+    """OpenAI-compatible HTTP server (samebits.server); the port is checked before the model
+    loads."""
     from samebits.server.app import serve
+    from samebits.server.launch import check_port, no_effect_notes
+    settle_serve_args(args)
+    check_port(args.host, args.port)
+    for note in no_effect_notes(args):
+        print(f"samebits: {note}", file=sys.stderr)
     return serve(args)
 
 
@@ -153,11 +216,16 @@ def _generate_parser(sub) -> None:
     gen.add_argument("-v", "--verbose", action="store_true",
                      help="also print token ids, seed and fingerprint as JSON on stdout")
     EngineConfig.add_cli_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, parser=gen)
+
+
+DESCRIPTION = ("Reproducible LLM inference: the same request returns the same bits alone or "
+               "in any batch. Commands: generate, verify, serve, bench.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="samebits", description=__doc__, formatter_class=HELP)
+    parser = argparse.ArgumentParser(prog="samebits", description=DESCRIPTION,
+                                     formatter_class=HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     ver = sub.add_parser("verify", help="check that batching does not change the bits (locally, "
@@ -173,22 +241,28 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--plot", default=None, metavar="FILE", type=plot_file,
                      help="save a plot of the first divergent token per request (matplotlib)")
     EngineConfig.add_cli_args(ver)
-    ver.set_defaults(func=cmd_verify)
+    ver.set_defaults(func=cmd_verify, parser=ver)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)",
                          formatter_class=HELP)
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model (as --model): HF directory, .gguf file, or config.json")
     _serve_args(srv)
+    _vllm_args(srv)
     EngineConfig.add_cli_args(srv)
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=cmd_serve, parser=srv)
     bench = sub.add_parser("bench", help="throughput, invariant vs standard, JSON lines",
                            formatter_class=HELP)
     from samebits.tools import bench as bench_module
     bench_module.add_arguments(bench)
-    bench.set_defaults(func=lambda a: bench_module.run_both(a) or 0)
+    bench.set_defaults(func=lambda a: bench_module.run_both(a) or 0, parser=bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        parser = getattr(args, "parser", None) or build_parser()
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ModelFormatError, ValueError) as e:

@@ -6,6 +6,7 @@ Fan-out and seeds come from ``samebits.engine.fanout``, outputs from the engine'
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -17,8 +18,9 @@ from tqdm import tqdm
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.fanout import best, candidates, request_seed
+from samebits.engine.pooling import PoolingSequence, embedding_inputs
 from samebits.engine.sequence import Sequence
-from samebits.llm_options import build_embedder, check_options, loaded_with_tokenizer, local_model
+from samebits.llm_options import check_options, loaded_with_tokenizer, local_model
 from samebits.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -26,6 +28,7 @@ from samebits.outputs import (
     PoolingRequestOutput,
     RequestOutput,
 )
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.text.chat_template import render_chat
 from samebits.text.hf_tokenizer import HFTokenizer
@@ -56,11 +59,14 @@ class LLM:
         model = local_model(model, revision, download_dir)
         self.config = EngineConfig(model=model, **kwargs)
         self.enable_sleep_mode = enable_sleep_mode
-        self.embedder = self.engine = None
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizer | None = None
-        if self.config.task == "embed":  # an encoder: only ``embed`` / ``encode``
-            self.embedder = build_embedder(self.config)
+        self._pooling_engine: LLMEngine | None = None  # a generation LLM's, built by embed()
+        if self.config.task == "embed":  # an embedding model: only ``embed`` / ``encode``
+            if tokenizer is not None:
+                raise ValueError("tokenizer= is not supported with task='embed': an embedding "
+                                 "model uses the tokenizer in its own directory")
+            self.engine = LLMEngine(self.config)
             return
         self.engine = LLMEngine(self.config, loaded_with_tokenizer(self.config, tokenizer,
                                                                    revision, download_dir))
@@ -69,11 +75,11 @@ class LLM:
     @property
     def tokenizer(self):
         """samebits' own tokenizer (``get_tokenizer()`` gives the transformers-style one)."""
-        return self.engine.tokenizer if self.engine is not None else self.embedder.tokenizer
+        return self.engine.tokenizer
 
     @property
     def fingerprint(self) -> str:
-        return self.engine.fingerprint if self.engine is not None else self.embedder.fingerprint
+        return self.engine.fingerprint
 
     def get_tokenizer(self) -> HFTokenizer:
         """A tokenizer with transformers' interface (``__call__``, ``encode``, ``decode``,
@@ -151,9 +157,10 @@ class LLM:
         independent of the batch. An input over the model's token limit raises, unless
         ``truncate`` (True: the limit, k: k tokens) or vLLM's ``truncate_prompt_tokens`` (-1:
         the limit, k: k tokens) cuts it."""
-        outputs = self._embed_outputs(prompts, truncate, truncate_prompt_tokens, pooling_params)
+        outputs = self._embed_outputs(prompts, truncate, truncate_prompt_tokens, pooling_params,
+                                      use_tqdm)
         return [EmbeddingRequestOutput(f"embed-{next(self._ids)}", EmbeddingOutput(o.embedding),
-                                       o.prompt_token_ids, True, self.fingerprint)
+                                       list(o.prompt_token_ids), True, self.fingerprint)
                 for o in outputs]
 
     def encode(self, prompts: str | Seq[str] | Seq[Seq[int]], pooling_params: Any = None, *,
@@ -162,10 +169,12 @@ class LLM:
         """vLLM's ``encode``: one ``PoolingRequestOutput`` per input, ``.outputs.data`` the
         pooled vector as a float32 tensor (the same values as ``embed``)."""
         import torch
-        outputs = self._embed_outputs(prompts, False, truncate_prompt_tokens, pooling_params)
+        outputs = self._embed_outputs(prompts, False, truncate_prompt_tokens, pooling_params,
+                                      use_tqdm)
         return [PoolingRequestOutput(f"encode-{next(self._ids)}",
                                      PoolingOutput(torch.tensor(o.embedding, dtype=torch.float32)),
-                                     o.prompt_token_ids, True, self.fingerprint) for o in outputs]
+                                     list(o.prompt_token_ids), True, self.fingerprint)
+                for o in outputs]
 
     # ---- weights and memory ------------------------------------------------------------------
     def update_weights(self, named_tensors: Any) -> str:
@@ -175,6 +184,7 @@ class LLM:
         and changes nothing. Returns the new fingerprint; prefix-cache blocks of the old weights
         are never reused."""
         self._require_generate()
+        self._pooling_engine = None  # rebuilt over the new weights (and fingerprint) when needed
         return self.engine.update_weights(named_tensors)
 
     def named_weights(self):
@@ -197,7 +207,7 @@ class LLM:
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self.engine is not None and bool(self.engine.asleep)
+        return bool(self.engine.asleep)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's; ``update_weights`` already does)."""
@@ -207,48 +217,63 @@ class LLM:
 
     # ---- internals ---------------------------------------------------------------------------
     def _require_generate(self) -> None:
-        if self.engine is None:
+        if self.config.task == "embed":
             raise ValueError("this LLM was built with task='embed': use embed() or encode(), "
                              "not generation")
 
     def _own_tokenizer(self):
-        """samebits' ``Tokenizer`` (for an embedding model, read from its directory)."""
-        if self.engine is not None:
-            if self.engine.tokenizer is None:
-                raise ValueError("this model has no tokenizer (no tokenizer.json)")
-            return self.engine.tokenizer
-        from samebits.text.tokenizer import Tokenizer
-        tok = Tokenizer.from_dir(self.embedder.model_dir)
-        if tok is None:
+        """samebits' ``Tokenizer`` (an embedding model's is read from its directory)."""
+        if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json)")
-        return tok
+        return self.engine.tokenizer
 
     def _model_dir(self) -> Path:
-        return self.engine.loaded.model_dir if self.engine is not None else self.embedder.model_dir
+        return self.engine.loaded.model_dir
 
     def _embed_outputs(self, prompts: Any, truncate: bool | int, truncate_prompt_tokens: int | None,
-                       pooling_params: Any) -> list:
-        if pooling_params is not None:
-            raise ValueError("pooling_params is not supported: samebits pools as the model's "
-                             "sentence-transformers config says (pass None)")
+                       pooling_params: Any, use_tqdm: bool | Callable[..., tqdm]
+                       ) -> list[PoolingSequence]:
+        """Each input as a pooling request of the embedding engine, all of them run together;
+        the finished sequences (``embedding``, ``prompt_token_ids``) in input order. All or
+        nothing: a bad input leaves the engine as it was."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError("pooling_params must be None or a PoolingParams: samebits pools as "
+                             "the model's sentence-transformers config says")
         if truncate_prompt_tokens is not None:
             truncate = True if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        return self._pooler().embed_outputs(prompts, truncate)
+        engine = self._pooler()
+        ids = embedding_inputs(engine.loaded).tokenize(prompts, truncate)
+        seqs: list[PoolingSequence] = []
+        try:
+            for prompt_ids in ids:
+                seqs.append(engine.add_request(f"embed-{next(self._ids)}", prompt_ids,
+                                               pooling_params or PoolingParams()))
+        except ValueError:
+            for seq in seqs:
+                engine.abort(seq.request_id)
+            raise
+        self._drain(len(seqs), use_tqdm, engine)
+        return seqs
 
-    def _pooler(self):
-        """The embedder: this LLM's own (task='embed'), or, for a generation LLM built with a
-        decoder embedding model (sentence-transformers modules.json), one over its engine."""
-        if self.embedder is not None:
-            return self.embedder
-        from samebits.decoder_embedder import DecoderEmbedder
-        if not (self.engine.loaded.model_dir / "modules.json").is_file():
-            raise ValueError(
-                f"embed() needs an embedding model; this LLM was built with the generation model "
-                f"{self.engine.loaded.model_dir} (no sentence-transformers modules.json). Use "
-                "LLM(task='embed') for all-MiniLM-L6-v2, or LLM('path/or/org-name-of-an-"
-                "embedding-model') (a BERT-style encoder, or a decoder such as Qwen3-Embedding)")
-        self.embedder = DecoderEmbedder(self.config, engine=self.engine)
-        return self.embedder
+    def _pooler(self) -> LLMEngine:
+        """The embedding engine: this LLM's own (task='embed'), or, for a generation LLM built
+        with a decoder embedding model (sentence-transformers modules.json), one over the same
+        loaded weights."""
+        if self.config.task == "embed":
+            return self.engine
+        if self._pooling_engine is None:
+            from samebits.loader.pooling import decoder_pooling_model
+            if not (self.engine.loaded.model_dir / "modules.json").is_file():
+                raise ValueError(
+                    f"embed() needs an embedding model; this LLM was built with the generation "
+                    f"model {self.engine.loaded.model_dir} (no sentence-transformers "
+                    "modules.json). Use LLM(task='embed') for all-MiniLM-L6-v2, or LLM('path/or/"
+                    "org-name-of-an-embedding-model', task='embed') (a BERT-style encoder, or a "
+                    "decoder such as Qwen3-Embedding)")
+            config = dataclasses.replace(self.config, task="embed")
+            self._pooling_engine = LLMEngine(config,
+                                             decoder_pooling_model(config, self.engine.loaded))
+        return self._pooling_engine
 
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(the prompt text or None, its token ids)."""
@@ -306,10 +331,11 @@ class LLM:
             finished=all(o.finished() for o in chosen), num_cached_tokens=first.num_cached_tokens,
             system_fingerprint=self.fingerprint, metrics=first.metrics)
 
-    def _drain(self, total: int, use_tqdm: bool | Callable[..., tqdm]) -> None:
+    def _drain(self, total: int, use_tqdm: bool | Callable[..., tqdm],
+               engine: LLMEngine | None = None) -> None:
         bar = use_tqdm if callable(use_tqdm) else tqdm
         with bar(total=total, disable=not use_tqdm, desc="Processed prompts") as progress:
-            for _ in self.engine.run_to_completion():
+            for _ in (engine or self.engine).run_to_completion():
                 progress.update(1)
 
 

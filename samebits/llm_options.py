@@ -1,6 +1,6 @@
 """vLLM's ``LLM(...)`` options that are not ``EngineConfig`` fields, each honoured or refused by
 name: hub ids (``revision``, ``download_dir``), ``tokenizer``, ``quantization``,
-``trust_remote_code``; and the first-run preparation of an embedding ``LLM``."""
+``trust_remote_code``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from samebits.config import EngineConfig
-from samebits.engine.engine import prepare_cpu_kernels
 from samebits.log import get_logger
 
 QUANTIZATIONS = (None, "gguf")  # gguf: a .gguf file, dequantized once to ``dtype``
@@ -64,10 +63,3 @@ def loaded_with_tokenizer(config: EngineConfig, tokenizer: str | None, revision:
     loaded.tokenizer = tok
     return loaded
 
-
-def build_embedder(config: EngineConfig):
-    from samebits.decoder_embedder import DecoderEmbedder, is_decoder_model
-    from samebits.embedder import Embedder
-    if config.torch_device.type == "cpu" and config.batch_invariant:
-        prepare_cpu_kernels()
-    return (DecoderEmbedder if is_decoder_model(config) else Embedder)(config)

@@ -17,12 +17,17 @@ from samebits.structured_outputs import StructuredOutputsParams
 
 SEED_MODULUS = 2**63  # seeds live in [0, 2**63 - 1]; choice seeds wrap (samebits.engine.fanout)
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name for the same constraint
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_STOP_STRINGS = 64  # per-token work bounds: stop strings, their length, logit_bias entries,
+MAX_STOP_STRING_CHARS = 1024  # stop token ids (docs/LIMITS.md)
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (max_model_len)
-    temperature: float = 1.0  # 0: greedy (ties go to the lowest token id)
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy (ties: the lowest token id)
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -50,6 +55,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: ``text`` stays "" (no stop strings then)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    # vLLM's per-request masks (samebits.engine.logits_processor): only these token ids may be
+    # sampled; no output may complete one of these words (each tokenized as at the start and as
+    # in the middle of a text); bad_words_token_ids: their token ids (the engine fills them in)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
@@ -80,6 +91,7 @@ class SamplingParams:
         self._check_stops()
         self._check_controls()
         self._check_text()
+        self._check_masks()
         self._alias_guided_decoding()
 
     def _check_choices(self) -> None:
@@ -99,6 +111,21 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Caps on what costs host work at every token (each a 400 over HTTP)."""
+        strings = self.stop_strings
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(strings)} strings; the limit is {MAX_STOP_STRINGS}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; the limit is "
+                             f"{MAX_STOP_TOKEN_IDS}")
+        if isinstance(self.logit_bias, dict) and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; the limit is "
+                             f"{MAX_LOGIT_BIAS}")
 
     def _check_controls(self) -> None:
         bias = self.logit_bias
@@ -157,9 +184,25 @@ class SamplingParams:
         """A deep copy (vLLM's ``clone``)."""
         return copy.deepcopy(self)
 
+    def _check_masks(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (isinstance(allowed, list | tuple) and allowed
+                                        and all(_is_int(t) and t >= 0 for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids "
+                             f"(integers >= 0), got {allowed!r}")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, list | tuple)
+                                      and all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        ids = self.bad_words_token_ids
+        if ids is not None and not all(isinstance(w, list | tuple) and w
+                                       and all(_is_int(t) and t >= 0 for t in w) for w in ids):
+            raise ValueError("bad_words_token_ids must be lists of token ids (integers >= 0)")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below ``GREEDY_BELOW`` (where logits / T would overflow)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def num_candidates(self) -> int:
@@ -181,6 +224,8 @@ class SamplingParams:
 def _number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -20,8 +20,13 @@ from samebits.engine.context_length import check_context_length
 from samebits.engine.executor import start_runner
 from samebits.engine.fanout import request_seed
 from samebits.engine.grammar import GrammarCompiler, GrammarState
+from samebits.engine.isolation import cause, token_cause
 from samebits.engine.kv_cache import KVCacheManager
+from samebits.engine.logits_processor import with_bad_words_token_ids
 from samebits.engine.output_processor import OutputProcessor
+from samebits.engine.pooling import PoolingSequence, pooling_sequence
+from samebits.engine.pooling_runner import pooling_runner
+from samebits.engine.request_error import RequestError
 from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import Sequence
@@ -29,6 +34,7 @@ from samebits.loader import LoadedModel, numerics_fingerprint, updated_digest
 from samebits.log import get_logger
 from samebits.models.weights import update_weights
 from samebits.outputs import RequestMetrics
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 
 log = get_logger("engine")
@@ -51,11 +57,17 @@ class LLMEngine:
     ``OutputProcessor`` that turns a sequence into a ``CompletionOutput`` and its prompt
     logprobs), ``has_unfinished``, ``stats``, ``update_weights``, ``sleep`` / ``wake_up``, and for
     pausing a request mid-way ``park`` / ``unpark`` / ``parked_blocks_needed``. Not thread-safe:
-    one thread drives it."""
+    one thread drives it.
+
+    An embedding model's engine (``EngineConfig(task="embed")``) takes pooling requests only
+    (``PoolingParams``): the same scheduler, a pooling runner (``samebits.engine.pooling_runner``)
+    and the model's pooler; a finished ``PoolingSequence`` carries its ``embedding``."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.runner = start_runner(config, loaded)  # and ranks 1..N-1 under tensor parallel
+        pooling = config.task == "embed"  # an embedding model: pooling requests only
+        self.runner = (pooling_runner(config, loaded) if pooling
+                       else start_runner(config, loaded))  # and ranks 1..N-1 under TP
         self.loaded = self.runner.loaded
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = self.loaded.fingerprint  # the same for every tensor_parallel_size
@@ -66,15 +78,16 @@ class LLMEngine:
             prepare_cpu_kernels()  # before the first request, so it runs at warm speed
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
+        chunked = not pooling or self.runner.chunked_prefill  # an encoder's prompt runs whole
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   config.prefill_chunk_tokens)
+                                   None if pooling else config.prefill_chunk_tokens, chunked)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else
                         self.loaded.model_config.eos_token_ids)
         self.grammars = (GrammarCompiler(self.tokenizer, self.loaded.model_config.vocab_size,
                                          self._eos) if self.tokenizer is not None else None)
-        if self.runner.device.type == "cuda":
+        if self.runner.device.type == "cuda" and not pooling:
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -102,10 +115,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_awake()
+        if isinstance(params, PoolingParams) or self.config.task == "embed":
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
         prompt_token_ids = self._truncated(prompt_token_ids, params)
         self._check_prompt(prompt_token_ids, 0 if score_only else params.max_tokens)
         if params.max_tokens is None:  # up to the end of the context
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        params = with_bad_words_token_ids(params, self.tokenizer)
         self._check_token_params(params)
         grammar = self._grammar(params) if not score_only else None
         seq = Sequence(request_id, list(prompt_token_ids), params,
@@ -153,7 +169,9 @@ class LLMEngine:
     def _check_token_params(self, params: SamplingParams) -> None:
         vocab = self.loaded.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids or ())):
+                          ("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
@@ -203,7 +221,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that made progress (new tokens or finished)."""
+        """Run one step; return the sequences that made progress (new tokens or finished). A
+        request whose own work fails in the step (``samebits.engine.isolation``) is among them,
+        finished with ``finish_reason="error"`` and ``error`` naming the cause; the others go on
+        with their bits unchanged."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -228,9 +249,28 @@ class LLMEngine:
         ranks = result.ranks or [None] * len(result.tokens)
         for seq, token, logprob, top, rank in zip(result.sampled, result.tokens, result.logprobs,
                                                   result.top_logprobs, ranks, strict=True):
-            self._append_token(seq, token, logprob, top, rank, now)
+            self._advance(seq, token, logprob, top, rank, now,
+                          result.failed.get(seq.request_id))
         return [s for s in batch.seqs if s.score_only or s.is_finished] + [
             s for s in result.sampled if not s.is_finished]
+
+    def _advance(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
+                 rank: int | None, now: float, failed: RequestError | None) -> None:
+        """Append the sampled token, unless the request's own work failed: in the runner
+        (``failed``), in the model (a non-finite row) or here (its grammar, stop strings or
+        detokenizer); then it alone finishes with the error."""
+        error = failed or token_cause(logprob)
+        if error is None:
+            try:
+                self._append_token(seq, token, logprob, top, rank, now)
+                return
+            except Exception as e:
+                error = cause("its output", e)
+        log.warning("request %s failed alone: %s", seq.request_id, error.message)
+        seq.error = error
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+            _mark_finished(seq, now)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict[int, float],
                       rank: int | None = None, now: float | None = None) -> None:
@@ -364,6 +404,23 @@ class LLMEngine:
         """Step until idle, yielding each sequence as it finishes."""
         while self.has_unfinished():
             yield from (seq for seq in self.step() if seq.is_finished)
+
+    # ---- pooling requests (embedding models) ----------------------------------------------
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> PoolingSequence:
+        """Queue a pooling request: prefilled, never sampled; finished with its ``embedding``
+        in the step that computes its whole prompt. Only an embedding model takes them."""
+        if self.config.task != "embed":
+            raise ValueError("pooling requests need an embedding model: "
+                             "LLMEngine(EngineConfig(task='embed'))")
+        limit = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
+        if not self.scheduler.chunked_prefill:  # a prompt must fit one step
+            limit = min(limit, self.config.max_num_batched_tokens)
+        seq = pooling_sequence(request_id, prompt_token_ids, params,
+                               self.loaded.model_config.vocab_size, limit)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
 
 
 def _mark_finished(seq: Sequence, now: float | None = None) -> None:

@@ -22,9 +22,9 @@ import torch
 from samebits.config import EngineConfig
 from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
-from samebits.engine.grammar import apply_grammar_masks
-from samebits.engine.logits_processor import apply_logits_processors
+from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
+from samebits.engine.request_error import RequestError
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.transfer import to_device, to_host_later
@@ -86,6 +86,7 @@ class StepResult:
     scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
     # per sampled row asking for logprobs, its token's rank in the raw distribution (else None)
     ranks: list[int | None] = field(default_factory=list)
+    failed: dict[str, RequestError] = field(default_factory=dict)  # by request id: why it failed
 
 
 @dataclass
@@ -343,7 +344,7 @@ class ModelRunner:
             rows = None
         logits = self._logits(slot, rows)  # [B, V] fp32, raw
         logprobs = self.model.ops.log_softmax(logits)  # reported: the raw distribution's
-        logits = apply_grammar_masks(apply_logits_processors(logits, seqs), seqs)
+        logits = processed_logits(logits, seqs, result.failed)  # a failing row fails alone
         pending = sampler.start_sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.output_token_ids) for s in seqs])
         ks = [s.params.logprobs or 0 for s in seqs]

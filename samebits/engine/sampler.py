@@ -5,7 +5,10 @@ The noise for token ``v`` of a request's ``i``-th generated token is a hash of (
 the sample is ``argmax(filtered logits / T + noise)``, an exact draw from the filtered softmax.
 Filters on the temperature-scaled logits: top-k and top-p (``keep_mask``, one stable sort, masses
 in integer units so cumulative sums are exact) and min-p (``exp(x - max) >= min_p``); each row's
-decisions depend on that row alone. Greedy is ``argmax``; ties go to the lowest token id. Both
+decisions depend on that row alone. Greedy (temperature 0, or below ``GREEDY_BELOW`` = 1e-5, where
+``logits / T`` would leave fp32's range) is ``argmax``; ties go to the lowest token id. A row whose
+logits are not finite still gets a token, and no other row's draw changes (rows never mix); the
+engine then fails that request alone (``samebits.engine.isolation``). Both
 see the logits after the request's logits processors (``samebits.engine.logits_processor``: bias,
 penalties, min_tokens) and grammar masks; the reported logprobs are ``log_softmax`` of the *raw*
 fp32 logits, taken by the runner through the invariant backend before the processors run.

@@ -9,6 +9,8 @@ a running stream never waits longer than one chunk's compute, however long the p
 arrive. When blocks run out, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
 A paused sequence (``pause`` / ``resume``) keeps its blocks and progress but is not scheduled.
+Without ``chunked_prefill`` (an encoder, whose tokens attend to each other) a prompt runs whole in
+one step or waits, and the per-step prefill budget is the step's.
 None of these choices changes a sequence's bits (the ops are invariant); they change only speed.
 """
 
@@ -32,10 +34,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager,
-                 long_prefill_token_threshold: int | None = None) -> None:
+                 long_prefill_token_threshold: int | None = None,
+                 chunked_prefill: bool = True) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = long_prefill_token_threshold or max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        if not chunked_prefill:
+            self.prefill_chunk = max_num_batched_tokens
         self._prefill_left = 0  # prefill tokens still allowed in the step being scheduled
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
@@ -99,6 +105,8 @@ class Scheduler:
         if remaining <= 1:
             return min(remaining, budget)
         n = min(remaining, budget, self._prefill_left)
+        if n < remaining and not self.chunked_prefill:
+            return 0  # the whole prompt, in a later step
         self._prefill_left -= n
         return n
 

@@ -12,7 +12,8 @@ from samebits.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from samebits.engine.grammar import GrammarState
-    from samebits.engine.output_processor import OutputText
+    from samebits.engine.request_error import RequestError
+    from samebits.text.output_text import OutputText
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +55,7 @@ class Sequence:
     grammar: GrammarState | None = None  # structured output: this request's matcher
     detokenizer: OutputText | None = None  # the output's text (None: no tokenizer, or not asked)
     metrics: RequestMetrics | None = None  # timings (requests added through add_request)
+    error: RequestError | None = None  # why it failed alone (finish_reason "error"), else None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -72,7 +72,11 @@ def load(config: EngineConfig, group: TPGroup | None = None) -> LoadedModel:
         config_file = Path(config.model).expanduser()
     raw_cfg = read_json(config_file)
     model_config = registry.model_config(raw_cfg, str(config_file))
-    max_len = config.max_model_len or model_config.max_position_embeddings
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} is over the model's limit of "
+                         f"{limit} tokens (max_position_embeddings in {config_file})")
+    max_len = config.max_model_len or limit
     device, dtype = group.device, config.torch_dtype
     ops = get_backend(device, config.batch_invariant)
     model = build_model(model_config, ops, max_len, device, dtype, group)

@@ -1,10 +1,11 @@
 """BertModel as all-MiniLM-L6-v2 uses it: word + absolute position + token-type embeddings,
 post-LayerNorm blocks, GELU (erf), bidirectional self-attention within each sequence.
 
-Every reduction goes through the ``EncoderOps`` the model was built with (linear, LayerNorm,
-attention); the rest is elementwise, with the same casts in the same order on every path. With the
-invariant op set, a token's hidden state depends only on its own sequence's tokens. Shapes: T = token
-rows of the flat batch, H = hidden size.
+Every op goes through the ``OpBackend`` the model was built with (linear, LayerNorm, GELU, the
+bidirectional ``encoder_attention`` over each sequence's own rows); the rest is elementwise, with
+the same casts in the same order on every path. With an invariant backend, a token's hidden state
+depends only on its own sequence's tokens. No KV cache: a sequence runs whole, in one forward.
+Shapes: T = token rows of the flat batch, H = hidden size.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.config import ModelFormatError
+from samebits.distributed.group import TPGroup
 from samebits.models.registry import ENCODER_ARCHITECTURES
 from samebits.models.weights import fused_param, packed_hf_names
-from samebits.ops.encoder import EncoderOps, SeqLayout
+from samebits.ops.backend import OpBackend
+from samebits.ops.encoder import SeqLayout
 
 
 @dataclass(frozen=True)
 class BertConfig:
     """The encoder's shape, read from an HF ``config.json``."""
 
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,6 +40,7 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # an encoder stops nothing
 
     @property
     def head_dim(self) -> int:
@@ -53,7 +58,7 @@ class BertConfig:
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ModelFormatError(f"{source}: only absolute position embeddings are supported")
         try:
-            out = cls(**{f: cfg[f] for f in ("vocab_size", "hidden_size", "intermediate_size",
+            out = cls(archs[0], **{f: cfg[f] for f in ("vocab_size", "hidden_size", "intermediate_size",
                                               "num_hidden_layers", "num_attention_heads",
                                               "max_position_embeddings")},
                       type_vocab_size=cfg.get("type_vocab_size", 2),
@@ -84,13 +89,14 @@ class BertLayer(nn.Module):
         self.down_proj, self.down_bias = _param(h, i), _param(h)
         self.out_ln_w, self.out_ln_b = _param(h), _param(h)
 
-    def forward(self, ops: EncoderOps, h: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    def forward(self, ops: OpBackend, h: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = ops.linear(h, self.qkv_proj, self.qkv_bias).view(t, 3, self.heads, self.d).unbind(1)
-        ctx = ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), layout, self.d ** -0.5)
+        ctx = ops.encoder_attention(q.contiguous(), k.contiguous(), v.contiguous(), layout,
+                                    self.d ** -0.5)
         a = ops.linear(ctx.reshape(t, -1), self.o_proj, self.o_bias)
         h = ops.layer_norm(a + h, self.attn_ln_w, self.attn_ln_b, self.eps)
-        m = ops.linear(F.gelu(ops.linear(h, self.up_proj, self.up_bias)), self.down_proj,
+        m = ops.linear(ops.gelu(ops.linear(h, self.up_proj, self.up_bias)), self.down_proj,
                        self.down_bias)
         return ops.layer_norm(m + h, self.out_ln_w, self.out_ln_b, self.eps)
 
@@ -98,8 +104,13 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     """``forward`` returns the last hidden states [T, H] (what sentence-transformers pools)."""
 
-    def __init__(self, cfg: BertConfig, ops: EncoderOps) -> None:
+    def __init__(self, cfg: BertConfig, ops: OpBackend, max_model_len: int | None = None,
+                 group: TPGroup | None = None) -> None:
+        """The registry's constructor shape; the position table bounds a sequence's length, and
+        an encoder runs whole on one device (``group``: one rank)."""
         super().__init__()
+        if group is not None and group.world_size > 1:
+            raise ValueError("an encoder runs on one device: tensor_parallel_size must be 1")
         self.cfg, self.ops = cfg, ops
         self.word_embeddings = _param(cfg.vocab_size, cfg.hidden_size)
         self.position_embeddings = _param(cfg.max_position_embeddings, cfg.hidden_size)
@@ -107,14 +118,16 @@ class BertModel(nn.Module):
         self.emb_ln_w, self.emb_ln_b = _param(cfg.hidden_size), _param(cfg.hidden_size)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                token_type_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """input_ids, positions, token_type_ids [T] (positions restart at 0 in every sequence)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: SeqLayout
+                ) -> torch.Tensor:
+        """input_ids, positions [T] (positions restart at 0 in every sequence; every token of
+        segment 0, as sentence-transformers encodes one text); ``layout`` from
+        ``ops.plan_encoder``."""
         h = F.embedding(input_ids, self.word_embeddings)
-        h = h + F.embedding(token_type_ids, self.token_type_embeddings)  # HF's order of the adds
+        token_types = torch.zeros_like(input_ids)
+        h = h + F.embedding(token_types, self.token_type_embeddings)  # HF's order of the adds
         h = h + F.embedding(positions, self.position_embeddings)
         h = self.ops.layer_norm(h, self.emb_ln_w, self.emb_ln_b, self.cfg.layer_norm_eps)
-        layout = self.ops.plan(layout, h.device)
         for layer in self.layers:
             h = layer(self.ops, h, layout)
         return h

@@ -32,6 +32,8 @@ from typing import Protocol
 
 import torch
 
+from samebits.ops.encoder import SeqLayout
+
 KBounds = tuple[tuple[int, int], ...]  # ordered, contiguous [lo, hi) ranges covering [0, K)
 
 
@@ -127,6 +129,41 @@ class OpBackend(Protocol):
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D]."""
+        ...
+
+    # ---- encoder ops (BERT-style embedding models, samebits.ops.encoder) ------------------
+    # Invariant backends: a token row's bits depend only on its own sequence's rows, a pooled
+    # vector's only on its sequence's hidden states; sequences are packed back to back and
+    # padding never enters a reduction. Standard backends run them as sentence-transformers
+    # does: stock ops over a batch padded to its longest sequence.
+
+    def plan_encoder(self, lens: list[int], device: torch.device) -> SeqLayout:
+        """The flat-batch layout of sequences of these lengths (packed, or padded by the standard
+        backends), with the index tensors ``encoder_attention`` reads."""
+        ...
+
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          layout: SeqLayout, scale: float) -> torch.Tensor:
+        """Bidirectional attention of q, k, v [T, H, D] within each sequence: every query reads
+        all of its own sequence's keys and no other's -> [T, H, D] (padding rows: zeros)."""
+        ...
+
+    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+        """LayerNorm over the last dim (torch's formula) with weight and bias."""
+        ...
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """GELU (erf), elementwise: torch's."""
+        ...
+
+    def pool(self, x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
+        """[T, H] -> [B, H]: each sequence's mean (a fixed tree, invariant backends), first
+        (``cls``) or last (``lasttoken``) row."""
+        ...
+
+    def l2_normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of [B, H] divided by its L2 norm (eps 1e-12, as ``F.normalize``)."""
         ...
 
 

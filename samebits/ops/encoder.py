@@ -1,56 +1,50 @@
-"""Encoder numerics: LayerNorm, bidirectional attention over variable-length sequences, pooling and
-L2 normalisation -- an invariant CPU set and the standard (stock torch) set of the negative control.
+"""The encoder ops of ``OpBackend`` (LayerNorm, GELU, pooling, L2 normalisation, the batch layout)
+that do not depend on the device, as two mixins the backends inherit; each backend adds its own
+``plan_encoder`` and ``encoder_attention`` (CPU: ``reference.py``; CUDA: ``encoder_cuda.py``).
 
-A forward holds a flat batch of token rows [T, ...]; ``SeqLayout`` says where each sequence's rows
-sit (packed back to back, or padded to a common length as sentence-transformers does).
+``InvariantEncoderOps`` (the invariant backends): the bits of every output -- a token's hidden
+state, a sequence's pooled vector -- depend only on that sequence's own rows, the weights and the
+constants ``TILE_M`` and ``ENCODER_SPLIT_SIZE``; never on the other sequences, their number, order
+or lengths, nor on where the sequence sits in the flat batch. How:
 
-Invariant guarantee (``InvariantEncoderOps``): the bits of every output -- a token's hidden state, a
-sequence's pooled vector -- depend only on that sequence's own tokens, the weights and the constants
-``TILE_M``, the CPU kernels' arithmetic and ``split_size``; never on the other sequences, their
-number, order or lengths, nor on where the sequence sits in the flat batch. How:
-
-- ``linear`` is the backend's (CPU: each output element one ascending-K fma chain).
-- ``layer_norm`` and ``normalize`` run row-wise on fixed [TILE_M, H] tiles.
-- ``attention`` is the decoder's CPU split attention (``reference.split_attention``) run without a
-  causal mask: every query of a sequence reads all of its sequence's keys, in splits of
-  ``split_size`` keys merged in ascending order; padding rows read none and come out zero.
+- sequences are packed back to back (``SeqLayout.packed``): no padding row enters a reduction;
+- ``layer_norm`` and ``l2_normalize`` run row-wise on fixed [TILE_M, H] tiles;
 - ``pool`` (mean) sums a sequence's rows in tiles of ``TILE_M`` by a fixed pairwise tree of
-  elementwise adds, then adds the tile sums in ascending order; only the sequence's own rows are read
-  (the tail of the last tile is exact zeros, placed by the sequence's own length).
+  elementwise adds, then adds the tile sums in ascending order; only the sequence's own rows are
+  read (the tail of its last tile is exact zeros, placed by its own length). CLS and last token
+  are picked by index.
 
-On CUDA the attention is ``encoder_cuda.attention`` (fixed-shape torch products, linear through the
-Triton backend): bitwise invariant in float32 on an H100 in benchmarks/embedding_drift.py.
+``StandardEncoderOps`` (the standard backends): stock torch, shaped as sentence-transformers runs
+a batch -- padded to its longest sequence, SDPA with a key mask, masked-sum mean pooling. No
+invariance guarantee: the baseline and the negative control.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from samebits.ops.backend import OpBackend, get_backend
-from samebits.ops.reference import SplitPlan, split_attention
 from samebits.ops.tiles import TILE_M, by_tiles
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
-DEFAULT_SPLIT_SIZE = 32  # keys per attention split (a tile reduces whole splits; texts are short)
+ENCODER_SPLIT_SIZE = 32  # keys per encoder attention split (a tile reduces whole splits)
 
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """Sequence b owns flat rows ``starts[b] : starts[b] + lens[b]`` of a [num_rows, ...] batch.
-
-    ``padded_len`` is set when every sequence sits in its own block of that many rows
-    (``starts[b] == b * padded_len``); the rows after a sequence's end are padding.
-    """
+    """Where each sequence of an encoder forward sits in its flat batch of token rows [T, ...]:
+    sequence b owns rows ``starts[b] : starts[b] + lens[b]``. ``padded_len`` is set when every
+    sequence sits in a block of that many rows of its own (``starts[b] == b * padded_len``), the
+    rows after its end padding; ``plan``: the backend's index tensors, built once per forward
+    (``OpBackend.plan_encoder``) and shared by every layer."""
 
     starts: tuple[int, ...]
     lens: tuple[int, ...]
     num_rows: int
     padded_len: int | None = None
-    plan: object | None = None  # backend-specific index tensors, built once per forward
+    plan: object | None = None
 
     @classmethod
     def packed(cls, lens: list[int]) -> SeqLayout:
@@ -69,20 +63,6 @@ class SeqLayout:
         return len(self.lens)
 
 
-def _attention_plan(layout: SeqLayout) -> SplitPlan:
-    """Row r of sequence b reads all of b's keys (none for padding rows); the flat rows serve as a
-    cache of one-token blocks, sequence b's key j in row ``starts[b] + j``."""
-    width = max(layout.lens)
-    j = torch.arange(width)
-    starts, lens = torch.tensor(layout.starts), torch.tensor(layout.lens)
-    tables = torch.where(j[None, :] < lens[:, None], starts[:, None] + j[None, :], 0)
-    q_seq = torch.zeros(layout.num_rows, dtype=torch.int32)
-    q_nkeys = torch.zeros(layout.num_rows, dtype=torch.int32)
-    for b, (start, n) in enumerate(zip(layout.starts, layout.lens, strict=True)):
-        q_seq[start:start + n], q_nkeys[start:start + n] = b, n
-    return SplitPlan(tables.to(torch.int32).contiguous(), q_seq, q_nkeys)
-
-
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
@@ -95,42 +75,30 @@ def _tile_tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0, :]
 
 
+def pick_token(x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
+    """[T, H] -> [B, H]: the first (``cls``) or last (``lasttoken``) row of each sequence."""
+    if mode not in ("cls", "lasttoken"):
+        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    last = [s + n - 1 for s, n in zip(layout.starts, layout.lens, strict=True)]
+    rows = list(layout.starts) if mode == "cls" else last
+    return x[torch.tensor(rows, device=x.device)]
+
+
 class InvariantEncoderOps:
-    """The invariant set; see the module docstring for the arithmetic it fixes."""
+    """The invariant encoder ops (module docstring): packed layout, fixed tiles and trees."""
 
-    batch_invariant = True
-
-    def __init__(self, backend: OpBackend, split_size: int = DEFAULT_SPLIT_SIZE) -> None:
-        self.linear = backend.linear
-        self.split_size = split_size
-        self.name = f"{backend.name}+encoder(split={split_size},tile={TILE_M})"
-
-    def plan(self, layout: SeqLayout, device: torch.device) -> SeqLayout:
-        if device.type != "cpu":
-            from samebits.ops import encoder_cuda
-            return dataclasses.replace(layout, plan=encoder_cuda._attention_plan(
-                layout, self.split_size, device))
-        return dataclasses.replace(layout, plan=_attention_plan(layout))
-
-    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
+    @staticmethod
+    def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
         return by_tiles(lambda t: F.layer_norm(t, (t.shape[-1],), w, b, eps), x)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
-                  scale: float) -> torch.Tensor:
-        """Bidirectional attention of q, k, v [T, heads, D] within each sequence -> [T, heads, D]."""
-        if q.device.type != "cpu":
-            from samebits.ops import encoder_cuda
-            return encoder_cuda.attention(q, k, v, layout, scale, self.split_size)
-        plan = layout.plan if isinstance(layout.plan, SplitPlan) else _attention_plan(layout)
-        t, heads, d = k.shape
-        return split_attention(q, k.reshape(t, 1, heads, d), v.reshape(t, 1, heads, d), plan, scale,
-                               self.split_size)
+    @staticmethod
+    def gelu(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
 
-    def pool(self, x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
-        """[T, H] -> [B, H]: mean / first (CLS) / last token of each sequence."""
+    @staticmethod
+    def pool(x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
         if mode != "mean":
-            return _pick_token(x, layout, mode)
+            return pick_token(x, layout, mode)
         n_tiles = -(-max(layout.lens) // TILE_M)
         j = torch.arange(n_tiles * TILE_M, device=x.device)
         lens = torch.tensor(layout.lens, device=x.device)
@@ -142,17 +110,9 @@ class InvariantEncoderOps:
             total = torch.where((t * TILE_M < lens)[:, None], total + tiles[:, t], total)
         return total / lens[:, None].to(x.dtype)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """L2-normalise each row [B, H] (eps 1e-12, as torch.nn.functional.normalize)."""
+    @staticmethod
+    def l2_normalize(x: torch.Tensor) -> torch.Tensor:
         return by_tiles(lambda t: F.normalize(t, p=2.0, dim=-1), x)
-
-
-def _pick_token(x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
-    if mode not in ("cls", "lasttoken"):
-        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
-    last = [s + n - 1 for s, n in zip(layout.starts, layout.lens, strict=True)]
-    rows = list(layout.starts) if mode == "cls" else last
-    return x[torch.tensor(rows, device=x.device)]
 
 
 def _padded(x: torch.Tensor, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,24 +128,15 @@ def _padded(x: torch.Tensor, layout: SeqLayout) -> tuple[torch.Tensor, torch.Ten
 
 
 class StandardEncoderOps:
-    """Stock torch, shaped as sentence-transformers runs it: padded batch, SDPA with a key mask,
-    masked-sum mean pooling. No invariance guarantee: the negative control and the baseline."""
+    """Stock torch on a padded batch (module docstring): the baseline and negative control."""
 
-    batch_invariant = False
+    @staticmethod
+    def plan_encoder(lens: list[int], device: torch.device) -> SeqLayout:
+        return SeqLayout.padded(lens)
 
-    def __init__(self, backend: OpBackend) -> None:
-        self.linear = backend.linear
-        self.name = f"{backend.name}+encoder(standard)"
-
-    def plan(self, layout: SeqLayout, device: torch.device) -> SeqLayout:
-        return layout
-
-    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
-                  scale: float) -> torch.Tensor:
+    @staticmethod
+    def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
+                          scale: float) -> torch.Tensor:
         (qp, mask), (kp, _), (vp, _) = (_padded(t, layout) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2),
                                            vp.transpose(1, 2), attn_mask=mask[:, None, None, :],
@@ -197,24 +148,22 @@ class StandardEncoderOps:
             out[start:start + n] = o[b, :n]
         return out
 
-    def pool(self, x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
+    @staticmethod
+    def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+    @staticmethod
+    def gelu(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+    @staticmethod
+    def pool(x: torch.Tensor, layout: SeqLayout, mode: str) -> torch.Tensor:
         if mode != "mean":
-            return _pick_token(x, layout, mode)
+            return pick_token(x, layout, mode)
         xp, mask = _padded(x, layout)
         m = mask[..., None].to(x.dtype)
         return (xp * m).sum(1) / m.sum(1).clamp(min=1e-9)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def l2_normalize(x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x, p=2.0, dim=1)
-
-
-EncoderOps = InvariantEncoderOps | StandardEncoderOps
-
-
-def get_encoder_ops(device: torch.device | str, batch_invariant: bool,
-                    split_size: int = DEFAULT_SPLIT_SIZE) -> EncoderOps:
-    """The encoder op set for a device and mode (linear from ``get_backend``)."""
-    backend = get_backend(device, batch_invariant)
-    if batch_invariant:
-        return InvariantEncoderOps(backend, split_size)
-    return StandardEncoderOps(backend)

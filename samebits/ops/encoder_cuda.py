@@ -1,21 +1,22 @@
-"""The invariant encoder attention on CUDA: fixed-shape torch products (the CPU runs the C++
-split attention of ``reference.split_attention`` instead).
+"""The invariant encoder attention of the CUDA backend: fixed-shape torch products (the CPU backend
+runs the C++ split attention of ``reference.split_attention`` instead).
 
 A query tile holds up to ``TILE_Q`` queries of one sequence; its keys (all of its sequence's tokens)
-are reduced in splits of ``split_size`` keys, each split one fixed-shape [TILE_Q, D] @ [D, split]
+are reduced in splits of ``ENCODER_SPLIT_SIZE`` keys, each split one fixed-shape [TILE_Q, D] @ [D, split]
 product per head, splits merged in ascending order. Keys past the sequence's end are read from a
-zero row and masked to -inf, so they add exact zeros. Bitwise invariant in float32 on an H100 in
-benchmarks/embedding_drift.py, not yet covered by a GPU test.
+zero row and masked to -inf, so they add exact zeros. tests/gpu/test_embeddings_gpu.py checks a
+vector's bits alone and batched, in bf16 and fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from samebits.ops.encoder import SeqLayout
+from samebits.ops.encoder import ENCODER_SPLIT_SIZE, SeqLayout
 
 TILE_Q = 16  # queries per attention tile
 
@@ -95,12 +96,19 @@ def _split(qt: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: _Attentio
     return m_s, acc_s.float().view(n, heads, rows, d + 1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
-          scale: float, split_size: int) -> torch.Tensor:
+def plan_encoder(lens: list[int], device: torch.device) -> SeqLayout:
+    """Packed back to back, with the tile plan of ``encoder_attention``."""
+    layout = SeqLayout.packed(lens)
+    return dataclasses.replace(layout, plan=_attention_plan(layout, ENCODER_SPLIT_SIZE, device))
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
+                      scale: float) -> torch.Tensor:
     """Bidirectional attention of q, k, v [T, heads, D] within each sequence -> [T, heads, D]."""
-    plan = layout.plan if layout.plan is not None else _attention_plan(layout, split_size,
-                                                                        q.device)
-    split, (_, heads, d) = split_size, q.shape
+    split = ENCODER_SPLIT_SIZE
+    plan = layout.plan if isinstance(layout.plan, _AttentionPlan) else _attention_plan(
+        layout, split, q.device)
+    _, heads, d = q.shape
     n_tiles = plan.q_rows.shape[0]
     qt = _gather(_head_major(q * scale), plan.q_rows)  # [n_tiles, heads, TILE_Q, D]
     kh, vh = _head_major(k), _head_major(v, extra=q.new_ones(()))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels, rope
 from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, norm_with_residual, register
+from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps, SeqLayout
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
@@ -165,8 +166,38 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return split_attention(q, k_cache, v_cache, plan, scale, meta.split_size)
 
 
+def _encoder_plan(layout: SeqLayout) -> SplitPlan:
+    """Row r of sequence b reads all of b's keys (none for padding rows); the flat rows serve as a
+    cache of one-token blocks, sequence b's key j in row ``starts[b] + j``."""
+    width = max(layout.lens)
+    j = torch.arange(width)
+    starts, lens = torch.tensor(layout.starts), torch.tensor(layout.lens)
+    tables = torch.where(j[None, :] < lens[:, None], starts[:, None] + j[None, :], 0)
+    q_seq = torch.zeros(layout.num_rows, dtype=torch.int32)
+    q_nkeys = torch.zeros(layout.num_rows, dtype=torch.int32)
+    for b, (start, n) in enumerate(zip(layout.starts, layout.lens, strict=True)):
+        q_seq[start:start + n], q_nkeys[start:start + n] = b, n
+    return SplitPlan(tables.to(torch.int32).contiguous(), q_seq, q_nkeys)
+
+
+def plan_encoder(lens: list[int], device: torch.device) -> SeqLayout:
+    """Packed back to back, with the split plan of ``encoder_attention``."""
+    layout = SeqLayout.packed(lens)
+    return dataclasses.replace(layout, plan=_encoder_plan(layout))
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout,
+                      scale: float) -> torch.Tensor:
+    """The split attention without the causal mask: every query of a sequence reads all of its
+    sequence's keys, in splits of ``ENCODER_SPLIT_SIZE`` keys merged in ascending order."""
+    plan = layout.plan if isinstance(layout.plan, SplitPlan) else _encoder_plan(layout)
+    t, heads, d = k.shape
+    return split_attention(q, k.reshape(t, 1, heads, d), v.reshape(t, 1, heads, d), plan, scale,
+                           ENCODER_SPLIT_SIZE)
+
+
 @register("cpu", True)
-class ReferenceBackend:
+class ReferenceBackend(InvariantEncoderOps):
     # the constants that decide the bits enter the CPU fingerprint through this name
     name = f"reference-cpu|tile_m={TILE_M}|{cpu_kernels.ARITHMETIC}"
     batch_invariant = True
@@ -180,6 +211,8 @@ class ReferenceBackend:
     softmax = staticmethod(softmax)
     log_softmax = staticmethod(log_softmax)
     attention = staticmethod(attention)
+    plan_encoder = staticmethod(plan_encoder)
+    encoder_attention = staticmethod(encoder_attention)
 
     @staticmethod
     def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from samebits.ops import rope
 from samebits.ops.backend import AttentionMetadata, KBounds, norm_with_residual, register
+from samebits.ops.encoder import StandardEncoderOps
 
 
 @register("cpu", False)
-class StandardBackend:
+class StandardBackend(StandardEncoderOps):
     name = "standard"
     batch_invariant = False
     row_parallel_segments = False  # stock kernels pick their own K order

@@ -1,22 +1,21 @@
 """The OpenAI-compatible HTTP server (``samebits serve``): FastAPI routes over the engine loop.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version`` (samebits.server.tokenization).
-With ``--api-key``, every path but ``/health`` (and ``/metrics`` with ``--metrics-public``) needs
-the key, checked before anything else (samebits.server.auth). Every response carries
-``system_fingerprint``, and a generation the seed of each choice. A server serves a generation
-model, an embedding model (``--task embed``), or both (``--embed-model``); ``ServedModels`` routes
-each request to the model it names. The security limits are ``ServerLimits``
-(samebits.server.limits; docs/SECURITY.md).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``, ``GET /version`` (samebits.server.tokenization). With ``--api-key``,
+every path but ``/health`` (and ``/metrics`` with ``--metrics-public``) needs the key, checked
+before anything else (samebits.server.auth). Every response carries ``system_fingerprint``, and a
+generation the seed of each choice. A server serves a generation model, an embedding model
+(``--task embed``), or both (``--embed-model``); ``ServedModels`` routes each request to the model
+it names. The security limits are ``ServerLimits`` (samebits.server.limits; docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +30,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from samebits import env
 from samebits.config import EngineConfig
-from samebits.embedder import Embedder
 from samebits.engine.engine import LLMEngine
 from samebits.ops import cpu_kernels
 from samebits.server import lifecycle, tokenization, weight_updates
@@ -39,20 +37,25 @@ from samebits.server.async_engine import AsyncEngine
 from samebits.server.auth import APIKeyAuth
 from samebits.server.chat import create_chat_completion
 from samebits.server.completions import create_completion
-from samebits.server.embeddings import EmbeddingService, create_embedding
+from samebits.server.embeddings import EmbeddingContext, create_embedding
 from samebits.server.engine_process import EngineProcess
 from samebits.server.errors import APIError, from_validation_error
 from samebits.server.guard import RequestGuard
+from samebits.server.launch import load_engine, served_names
 from samebits.server.lifecycle import Readiness, ReadinessGate
 from samebits.server.limits import ServerLimits
+from samebits.server.memory import GiveBackMemory
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
 from samebits.server.protocol import (
+    MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     ModelList,
 )
+from samebits.server.responses import create_response
+from samebits.server.responses_protocol import ResponsesRequest
 from samebits.server.served_models import ServedModels
 from samebits.server.serving import ServingContext
 from samebits.server.tokens import TokenText
@@ -64,54 +67,58 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_LIMITS = ServerLimits()
 
 
-def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | None,
+def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | Sequence[str] | None,
               api_key: str | Sequence[str] | None = None, *,
-              embedder: Embedder | None = None,
-              embed_model_name: str = DEFAULT_EMBED_MODEL_NAME,
+              embed_engine: LLMEngine | None = None,
+              embed_model_name: str | Sequence[str] = DEFAULT_EMBED_MODEL_NAME,
               max_queued_requests: int | None = None, canary_rate: float = 0.0,
-              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
-    """The app over a generation engine, an embedder, or both; the engine loop and the embedding
-    worker run while the app does (its lifespan). ``api_key``: one key or several (any of them
-    is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
+              limits: ServerLimits = DEFAULT_LIMITS,
+              max_logprobs: int = MAX_TOP_LOGPROBS) -> FastAPI:
+    """The app over a generation engine, an embedding model's engine (``embed_engine``), or
+    both; their engine loops run while the app does (its lifespan). A model name may be several
+    names (the first is its name, the others aliases). ``api_key``: one key or several (any of
+    them is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
-    determinism canary replays alone (samebits.server.canary). ``app.state.readiness`` is what
-    /health reports and what a shutdown drains (samebits.server.lifecycle)."""
+    determinism canary replays alone (samebits.server.canary). ``max_logprobs``: the most
+    logprobs a request may ask for. ``app.state.readiness`` is what /health reports and what a
+    shutdown drains (samebits.server.lifecycle)."""
     keys = _keys(api_key)
     limits.check_auth(keys)
+    gen_names = _names(model_name, DEFAULT_MODEL_NAME)
+    emb_names = _names(embed_model_name, DEFAULT_EMBED_MODEL_NAME)
     if engine is not None:
-        metrics = Metrics(model_name or DEFAULT_MODEL_NAME, engine.fingerprint,
-                          engine.config.batch_invariant)
-    elif embedder is not None:
-        metrics = Metrics(embed_model_name, embedder.fingerprint, embedder.config.batch_invariant)
+        metrics = Metrics(gen_names[0], engine.fingerprint, engine.config.batch_invariant)
+    elif embed_engine is not None:
+        metrics = Metrics(emb_names[0], embed_engine.fingerprint,
+                          embed_engine.config.batch_invariant)
     else:
-        raise ValueError("build_app needs an engine, an embedder or both")
-    loop = ctx = svc = None
+        raise ValueError("build_app needs a generation engine, an embedding engine or both")
+    loop = ctx = emb = None
     if engine is not None:
         loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
-        ctx = ServingContext(loop, model_name or DEFAULT_MODEL_NAME, engine.tokenizer,
+        ctx = ServingContext(loop, gen_names[0], engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
-                             TokenText(engine.tokenizer), engine.grammars)
-    if embedder is not None:
-        svc = EmbeddingService(embedder, embed_model_name, metrics,
-                               max_queued_requests=max_queued_requests)
+                             TokenText(engine.tokenizer), engine.grammars,
+                             max_logprobs=max_logprobs, aliases=gen_names[1:])
+    if embed_engine is not None:
+        emb = EmbeddingContext.serve(embed_engine, emb_names[0], metrics, max_queued_requests)
         if engine is not None:
-            metrics.add_model(embed_model_name, embedder.fingerprint)
-    served = ServedModels(ctx, svc)
-    readiness = _readiness(loop, svc)
+            metrics.add_model(emb_names[0], embed_engine.fingerprint)
+    served = ServedModels(ctx, emb, embedding_aliases=emb_names[1:])
+    loops = [x for x in (loop, emb.engine if emb is not None else None) if x is not None]
+    readiness = _readiness(loops)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for worker in (loop, svc):
-            if worker is not None:
-                worker.start()
+        for engine_loop in loops:
+            engine_loop.start()
         yield
-        for worker in (svc, loop):
-            if worker is not None:
-                worker.stop()
+        for engine_loop in reversed(loops):
+            engine_loop.stop()
 
     # redirect_slashes=False: a trailing-slash path is a 404, never a redirect built from Host
     app = FastAPI(title="samebits", lifespan=lifespan, redirect_slashes=False)
-    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, svc, metrics
+    app.state.ctx, app.state.embeddings, app.state.metrics = ctx, emb, metrics
     app.state.readiness = readiness
     router = _v1_router(served)
     if limits.enable_weight_updates and ctx is not None:
@@ -122,8 +129,10 @@ def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | None,
     _add_open_routes(app, served, metrics, readiness)
     _add_error_handlers(app)
     document_bodies(app, REQUEST_BODIES)
-    # outermost last: StatusCounter, then the key, then readiness, then the body checks
+    # outermost last: StatusCounter, then the key, then readiness, then the body checks; after
+    # a large body, free heap goes back to the system (GiveBackMemory)
     app.add_middleware(RequestGuard, limits=limits)
+    app.add_middleware(GiveBackMemory)
     app.add_middleware(ReadinessGate, readiness=readiness)
     open_paths = ("/health", "/metrics") if limits.metrics_public else ("/health",)
     app.add_middleware(APIKeyAuth, api_keys=keys, open_paths=open_paths)
@@ -131,23 +140,30 @@ def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | None,
     return app
 
 
-def _readiness(loop: AsyncEngine | None, svc: EmbeddingService | None) -> Readiness:
-    checks = []
-    if loop is not None:
-        checks.append(lambda: loop.error or (None if loop.alive else "the engine is stopped"))
-    if svc is not None:
-        checks.append(lambda: None if svc.alive else "the embedding worker is stopped")
-    return Readiness(checks, stop=loop.stop if loop is not None else lambda: None)
+def _readiness(loops: list[AsyncEngine]) -> Readiness:
+    """Ready while every engine loop (the generation model's, the embedding model's) runs."""
+    def check(loop: AsyncEngine) -> Callable[[], str | None]:
+        return lambda: loop.error or (None if loop.alive else "the engine is stopped")
+
+    def stop() -> None:
+        for loop in loops:
+            loop.stop()
+    return Readiness([check(loop) for loop in loops], stop=stop)
 
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # what /openapi.json documents for each POST
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": tokenization.TokenizeRequest,
     "/detokenize": tokenization.DetokenizeRequest,
     "/v1/update_weights": weight_updates.UpdateWeightsRequest,
 }
+
+
+def _names(names: str | Sequence[str] | None, default: str) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else tuple(names or ()) or (default,)
 
 
 def _keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -173,6 +189,11 @@ def _v1_router(served: ServedModels) -> APIRouter:
         ctx = served.for_generation(req.model, "chat completions")
         return _json(await create_chat_completion(ctx, req, request))
 
+    @router.post("/responses")
+    async def responses(request: Request) -> Any:
+        req = await _parse(request, ResponsesRequest)
+        return await create_response(served.for_generation(req.model, "responses"), req, request)
+
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Any:
         req = await _parse(request, EmbeddingRequest)
@@ -181,6 +202,10 @@ def _v1_router(served: ServedModels) -> APIRouter:
     @router.get("/models")
     async def models() -> Any:
         return _json(ModelList(data=served.cards()))
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        return _json(served.card(model_id))
 
     return router
 
@@ -300,13 +325,12 @@ def embed_model_name(model: str | None) -> str:
     return DEFAULT_EMBED_MODEL_NAME if model is None else model_name(model)
 
 
-def load_embedder(args: argparse.Namespace, model: str | None, load_format: str = "auto",
-                  max_model_len: int | None = None) -> Embedder:
-    """The embedding model, through ``LLM(task="embed")`` so that it is exactly the offline one."""
-    from samebits.llm import LLM
-    config = EngineConfig.from_cli_args(args, task="embed", model=model, load_format=load_format,
-                                        max_model_len=max_model_len, seed=args.seed)
-    return LLM(**dataclasses.asdict(config)).embedder
+def load_embed_engine(args: argparse.Namespace, model: str | None, load_format: str = "auto",
+                      max_model_len: int | None = None) -> LLMEngine:
+    """The embedding model's engine (``task="embed"``): the one ``LLM(task="embed")`` builds."""
+    return LLMEngine(EngineConfig.from_cli_args(args, task="embed", model=model,
+                                                load_format=load_format,
+                                                max_model_len=max_model_len, seed=args.seed))
 
 
 def read_chat_template(spec: str) -> str:
@@ -327,25 +351,23 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
         if args.embed_model is not None:
             raise ValueError("--embed-model goes with --task generate; with --task embed, --model "
                              "names the embedding model")
-        embedder = load_embedder(args, args.model, args.load_format, args.max_model_len)
-        name = args.served_model_name or embed_model_name(args.model)
-        _build_kernels(embedder.config)
-        return build_app(None, None, api_key, embedder=embedder, embed_model_name=name,
+        embed_engine = load_embed_engine(args, args.model, args.load_format, args.max_model_len)
+        names = served_names(args, embed_model_name(args.model), DEFAULT_EMBED_MODEL_NAME)
+        _build_kernels(embed_engine.config)
+        return build_app(None, None, api_key, embed_engine=embed_engine, embed_model_name=names,
                          max_queued_requests=args.max_queued_requests, limits=limits)
-    config = EngineConfig.from_cli_args(args, seed=args.seed)
-    engine = (LLMEngine(config) if getattr(args, "no_engine_process", False)
-              else EngineProcess(config, args.log_level))
+    engine = load_engine(args)  # in a process of its own unless --no-engine-process
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(args.chat_template)
-    embedder, embed_name = None, DEFAULT_EMBED_MODEL_NAME
+    embed_engine, embed_name = None, DEFAULT_EMBED_MODEL_NAME
     if args.embed_model is not None:
         path = None if args.embed_model == "DEFAULT" else args.embed_model
-        embedder, embed_name = load_embedder(args, path), embed_model_name(path)
-    _build_kernels(engine.config, *([embedder.config] if embedder is not None else []))
-    return build_app(engine, args.served_model_name or model_name(args.model), api_key,
-                     embedder=embedder, embed_model_name=embed_name,
+        embed_engine, embed_name = load_embed_engine(args, path), embed_model_name(path)
+    _build_kernels(engine.config, *([embed_engine.config] if embed_engine is not None else []))
+    return build_app(engine, served_names(args, model_name(args.model), DEFAULT_MODEL_NAME),
+                     api_key, embed_engine=embed_engine, embed_model_name=embed_name,
                      max_queued_requests=args.max_queued_requests,
-                     canary_rate=args.canary_rate, limits=limits)
+                     canary_rate=args.canary_rate, limits=limits, max_logprobs=args.max_logprobs)
 
 
 def _build_kernels(*configs: EngineConfig) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samebits.engine.engine import LLMEngine
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.server.engine_core import (
     NOT_RUNNING,
@@ -46,7 +47,7 @@ RETRY_AFTER_S = 1  # what a 503 past the queue limit tells the client
 class RequestGroup:
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]  # the request's, unseeded per candidate
+    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
     seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # deliver every step's tokens, not only the final output
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
@@ -61,8 +62,6 @@ class RequestGroup:
 
 class _ThreadCore:
     """The engine core on a thread of this process (``EngineProcess``'s interface)."""
-
-    gone = "the engine thread stopped"  # what /health says once it has
 
     def __init__(self, engine: LLMEngine, canary_rate: float) -> None:
         self.core = EngineCore(engine, canary_rate)  # checks the rate now
@@ -165,8 +164,13 @@ class AsyncEngine:
         """Why the engine takes no work (a step failed, or the core stopped); None while it
         does."""
         if self._error is None and self._core is not None and not self._core.alive:
-            return self._core.gone
+            return self._stopped_message
         return self._error
+
+    @property
+    def _stopped_message(self) -> str:
+        where = "thread" if isinstance(self.engine, LLMEngine) else "process"
+        return f"the engine {where} stopped"
 
     def _check_running(self) -> None:
         if self._stopped or not self.alive or self._error is not None:
@@ -257,8 +261,8 @@ class AsyncEngine:
                 done.set_exception(reply.error)
             return
         n = len(group.request_ids)
-        group.seed, group.seeds = reply.seed, reply.seeds
-        group.cached_tokens, group.prompt_logprobs = [0] * n, [None] * n
+        group.seeds, group.cached_tokens, group.prompt_logprobs = reply.seeds, [0] * n, [None] * n
+        group.seed = reply.seed
         if not done.done():
             done.set_result(None)
 
@@ -279,10 +283,10 @@ class AsyncEngine:
             m.prompt_tokens.inc(stats.prompt_tokens)
         if stats.generation_tokens:
             m.generation_tokens.inc(stats.generation_tokens)
-        for histogram, values in ((m.batch_size, stats.batch_sizes), (m.ttft, stats.ttft),
-                                  (m.itl, stats.itl)):
-            for value in values:
-                histogram.observe(value)
+        for name, values in (("batch_size", stats.batch_sizes), ("ttft", stats.ttft),
+                             ("itl", stats.itl), ("e2e", stats.e2e)):
+            for value in values:  # an embedding loop's metrics have no token latencies
+                getattr(m, name).observe(value)
         for reason, count in stats.finished.items():
             m.finished.labels(reason=reason).inc(count)
         for name in ("canary_checks", "canary_mismatches", "canary_dropped"):
@@ -292,13 +296,13 @@ class AsyncEngine:
 
     def _core_gone(self) -> None:
         """The core stopped: whatever still waits for it fails."""
-        self._error = self._error or (self._core.gone if self._core is not None else NOT_RUNNING)
+        self._error = self._error or self._stopped_message
         for done, _ in self._admissions.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         for done in self._updates.values():
             if not done.done():
-                done.set_exception(RuntimeError(NOT_RUNNING))
+                done.set_exception(RuntimeError(self._error))
         self._admissions.clear()
         self._updates.clear()
         for group in {id(g): g for g, _ in self._groups.values()}.values():

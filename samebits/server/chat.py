@@ -1,9 +1,17 @@
-"""``POST /v1/chat/completions``: messages -> the model's chat template -> n choices."""
+"""``POST /v1/chat/completions``: messages -> the model's chat template -> n choices.
+
+vLLM's chat extensions: ``add_generation_prompt`` / ``continue_final_message`` (render the
+conversation and continue its last message: samebits.text.chat_template), ``echo``
+(the reply starts with the last message's content when that message has the reply's role, as
+vLLM), ``prompt_logprobs`` (top level, vLLM's shape), ``return_token_ids``. Legacy
+``functions`` / ``function_call`` run as tools; their calls come back in the legacy shape
+(``message.function_call``, finish reason ``function_call``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -11,8 +19,15 @@ from fastapi.responses import Response
 
 from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
-from samebits.server.errors import APIError
-from samebits.server.logprobs import chat_logprobs
+from samebits.server.errors import APIError, from_value_error
+from samebits.server.extensions import (
+    check_logprobs,
+    chunk_usage,
+    continuous,
+    include_usage,
+    truncated,
+)
+from samebits.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from samebits.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,6 +37,9 @@ from samebits.server.protocol import (
     ChatDelta,
     ChatMessage,
     ChatMessageOut,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    ToolCall,
 )
 from samebits.server.serving import (
     ServingContext,
@@ -33,7 +51,6 @@ from samebits.server.serving import (
     last_hash,
     make_group,
     new_id,
-    sampling_params,
     sse,
     submit,
     usage,
@@ -41,33 +58,57 @@ from samebits.server.serving import (
 from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
-from samebits.text.chat_template import render_chat
+from samebits.text.chat_template import RESERVED_TEMPLATE_KWARGS, render_chat
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every choice of one request shares."""
+
+    req: ChatCompletionRequest
+    plan: ToolPlan
+    prompt: list[int]
+    echo: str  # the text each choice starts with (``echo``), else ""
+    legacy: bool  # the request gave ``functions``: calls in the legacy shape
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
-                                 request: Request
-                                 ) -> Response:
+                                 request: Request) -> Response:
     ctx.check_model(req.model)
-    plan = tool_plan(req)
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream=true; send it without "
+                       "stream", param="prompt_logprobs")
+    check_logprobs(ctx, req.top_logprobs, "top_logprobs")
+    check_logprobs(ctx, req.prompt_logprobs, "prompt_logprobs")
+    plan = tool_plan(req.tool_list(), req.tool_choice_value())
     spec = await _constraint(ctx, req, plan)
-    ids = await ctx.encode(await asyncio.to_thread(_render, ctx, req), "messages")
+    text = await asyncio.to_thread(_render, ctx, req)
+    ids = truncated(ctx, await ctx.encode(text, "messages"), req.truncate_prompt_tokens)
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.max_model_len - len(ids)
     ctx.check_length(ids, max_tokens, "messages")
-    k = req.top_logprobs or 0
-    params = sampling_params(req, max_tokens, k if req.logprobs else None, spec)
+    try:
+        params = req.to_sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
+                                        else None, spec, prompt_logprobs=req.prompt_logprobs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    reply = _Reply(req, plan, ids, _echo(req), req.functions is not None)
     response_id = new_id("chatcmpl")
     k = req.num_candidates()
     group = make_group(response_id, [ids], [params], k, req.stream, req.cache_salt)
     seed = await submit(ctx, group)
-    header = dict(id=response_id, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
-                  seed=seed)
+    header = dict(id=response_id, model=req.model or ctx.model_name,
+                  system_fingerprint=ctx.fingerprint, seed=seed)
     if req.stream:
-        return sse(ctx, group, lambda: _events(ctx, req, plan, group, header))
+        return sse(ctx, group, lambda: _events(ctx, reply, group, header))
     outputs = await collect(ctx, group, request)
     chosen = best(outputs, req.n, k)
-    choices = [_choice(ctx, req, plan, o) for o in chosen]
-    body = ChatCompletionResponse(**header, choices=choices,
-                                  usage=usage([ids], outputs, cached_tokens(group, k)))
+    prompt_lps = None
+    if req.prompt_logprobs is not None:
+        prompt_lps = vllm_prompt_logprobs(group.prompt_logprobs[0], req.prompt_logprobs)
+    body = ChatCompletionResponse(
+        **header, choices=[_choice(ctx, reply, o) for o in chosen],
+        usage=usage([ids], outputs, cached_tokens(group, k)), prompt_logprobs=prompt_lps,
+        prompt_token_ids=ids if req.return_token_ids else None)
     return hashed_json(body, chosen)
 
 
@@ -88,27 +129,39 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
     if ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", param="messages")
     messages = [_message(m) for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    tools = [t.model_dump(exclude_none=True) for t in req.tool_list()]
     kwargs = req.chat_template_kwargs or {}
-    if reserved := {"messages", "tools"} & set(kwargs):
+    if reserved := RESERVED_TEMPLATE_KWARGS & set(kwargs):
         raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set from the request "
                        "itself", param="chat_template_kwargs")
     try:
-        return render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs)
+        return render_chat(ctx.tokenizer, messages, tools, template_kwargs=kwargs,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template sees it (developer -> system; text parts joined)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                           "content": None if m.content is None else m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    """A message as the chat template sees it (developer -> system, function -> tool, text parts
+    joined, a legacy function_call -> tool_calls)."""
+    role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+    out: dict[str, Any] = {"role": role, "content": None if m.content is None else m.text()}
+    calls = m.tool_calls or ([ToolCall(id=f"call_{m.function_call.name}", function=m.function_call)]
+                             if m.function_call else None)
+    if calls:
+        out["tool_calls"] = [c.model_dump() for c in calls]
     for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     return out
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when its role is the reply's."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    return last.text() if req.echo and last.role == role else ""
 
 
 def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
@@ -118,22 +171,38 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     return chat_logprobs(ctx.token_text, token_ids, logprobs, top, req.top_logprobs or 0)
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
-            out: CompletionOutput) -> ChatChoice:
-    content, calls = ToolStream(plan).parse(out.text)
-    return ChatChoice(index=out.index,
-                      message=ChatMessageOut(content=content, tool_calls=calls or None),
-                      logprobs=_logprobs(ctx, req, out.token_ids, out.token_logprobs,
+def _choice(ctx: ServingContext, reply: _Reply, out: CompletionOutput) -> ChatChoice:
+    cut = out.finish_reason == "length"
+    content, calls = ToolStream(reply.plan).parse(out.text, cut)
+    reason = finish_reason(out.finish_reason, bool(calls))
+    message = ChatMessageOut(content=reply.echo + (content or "") if reply.echo else content,
+                             tool_calls=calls or None)
+    if reply.legacy and calls:
+        message = ChatMessageOut(content=message.content, function_call=calls[0].function)
+        reason = "function_call"
+    return ChatChoice(index=out.index, message=message,
+                      logprobs=_logprobs(ctx, reply.req, out.token_ids, out.token_logprobs,
                                          out.top_logprobs),
-                      finish_reason=finish_reason(out.finish_reason, bool(calls)), seed=out.seed)
+                      finish_reason=reason, seed=out.seed,
+                      token_ids=out.token_ids if reply.req.return_token_ids else None)
 
 
-async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan,
-                  group: RequestGroup, header: dict) -> AsyncIterator[ChatCompletionChunk]:
-    tools = [ToolStream(plan) for _ in group.params]
+async def _events(ctx: ServingContext, reply: _Reply, group: RequestGroup, header: dict
+                  ) -> AsyncIterator[ChatCompletionChunk]:
+    req, n_prompt = reply.req, len(reply.prompt)
+    live = continuous(req.stream_options)
+    tools = [ToolStream(reply.plan) for _ in group.params]
+    counts = [0] * len(tools)
     for i, seed in enumerate(group.seeds):
-        yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
-            index=i, delta=ChatDelta(role="assistant", content=""), seed=seed)])
+        yield ChatCompletionChunk(
+            **header, choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                        content=""), seed=seed)],
+            prompt_token_ids=reply.prompt if req.return_token_ids and i == 0 else None,
+            usage=chunk_usage(n_prompt, 0) if live else None)
+        if reply.echo:
+            yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
+                index=i, delta=ChatDelta(content=reply.echo), seed=seed)],
+                usage=chunk_usage(n_prompt, 0) if live else None)
     finals: list[CompletionOutput] = [None] * len(tools)  # type: ignore[list-item]
     async for d in deltas(group):
         if d.output is not None:
@@ -141,18 +210,35 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPla
         content, calls = tools[d.index].push(d.text)  # the engine's text, streamed
         finish = None
         if d.output is not None:
-            rest, more = tools[d.index].finish()
+            rest, more = tools[d.index].finish(cut=d.output.finish_reason == "length")
             content, calls = _join(content, rest), calls + more
             finish = finish_reason(d.output.finish_reason, tools[d.index].calls > 0)
+        counts[d.index] += len(d.token_ids)
+        delta = ChatDelta(content=content, tool_calls=calls or None)
+        if reply.legacy:
+            delta, finish = _legacy_delta(delta, finish)
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
-            index=d.index, delta=ChatDelta(content=content, tool_calls=calls or None),
+            index=d.index, delta=delta,
             logprobs=_logprobs(ctx, req, d.token_ids, d.logprobs, d.top_logprobs),
-            finish_reason=finish, seed=group.seeds[d.index])],
-            output_hash=last_hash(d.output, finals))
-    if req.stream_options is not None and req.stream_options.include_usage:
+            finish_reason=finish, seed=group.seeds[d.index],
+            token_ids=d.token_ids if req.return_token_ids else None)],
+            output_hash=last_hash(d.output, finals),
+            usage=chunk_usage(n_prompt, counts[d.index]) if live else None)
+    if include_usage(req.stream_options):
         yield ChatCompletionChunk(**header, choices=[], usage=usage(
             group.prompts[:1], finals, cached_tokens(group, len(finals))))
 
 
+def _legacy_delta(delta: ChatDelta, finish: str | None) -> tuple[ChatDelta, str | None]:
+    """A tool-call delta in the legacy shape: the first call as ``function_call``."""
+    first: list[DeltaToolCall] = [c for c in delta.tool_calls or () if c.index == 0]
+    if first:
+        f = first[0].function
+        delta = ChatDelta(content=delta.content,
+                          function_call=DeltaFunctionCall(name=f.name, arguments=f.arguments))
+    return delta, "function_call" if finish == "tool_calls" else finish
+
+
 def _join(a: str | None, b: str | None) -> str | None:
     return None if a is None and b is None else (a or "") + (b or "")
+

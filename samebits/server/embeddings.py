@@ -1,30 +1,31 @@
 """``POST /v1/embeddings``: texts or token ids -> one vector each, as floats or base64.
 
-One worker thread owns the ``Embedder`` (one call at a time) so the event loop never waits on the
-encoder. Each call embeds at most ``max_batch_inputs`` inputs taken round robin from every request
-in flight, so large requests are split and interleaved with small ones, and a request whose client
-left is dropped before the next call. With the batch-invariant numerics a vector does not depend
-on what it was batched with, so this policy only changes latency, never the bits (in
-``--standard`` mode it does change them).
+Each input is a pooling request of the embedding model's engine, driven by an ``AsyncEngine`` like
+the generation model's (a server with both runs two engine loops). Inputs are tokenized off the
+event loop, then submitted in slices of the engine's ``max_num_seqs`` inputs, at most two slices
+of a request in the engine at once: the engine batches what is queued (inputs of several requests
+in one step), concurrent requests interleave slice by slice so a small one waits for at most two
+slices of a large one, and a request whose client left is aborted within a step. With the
+batch-invariant numerics a vector does not depend on what it was batched with, so none of this
+changes the bits (in ``--standard`` mode it does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import logging
-import queue
-import threading
 import time
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from fastapi import Request
 
-from samebits.embedder import Embedder, EmbeddingOutput, EmbedInput
-from samebits.server.async_engine import RETRY_AFTER_S
+from samebits.engine.engine import LLMEngine
+from samebits.engine.pooling import PoolingOutput, embedding_inputs
+from samebits.pooling_params import PoolingParams
+from samebits.server.async_engine import AsyncEngine, RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.metrics import Metrics
 from samebits.server.protocol import (
@@ -34,216 +35,137 @@ from samebits.server.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from samebits.server.serving import new_id, submit
+from samebits.text.embedding_inputs import EmbeddingInputs, EmbedInput
 
-log = logging.getLogger("samebits.server")
-MAX_BATCH_INPUTS = 32  # inputs per embedder call: the unit of fairness and of cancellation
+SLICES_IN_FLIGHT = 2  # slices of one request in the engine at once: the next is queued in time
+
+
+class EmbeddingEngineMetrics:
+    """What an ``AsyncEngine`` reports, for the embedding model's loop: tokens admitted count in
+    ``samebits_embedding_tokens``, inputs per engine step in ``samebits_embedding_batch_size``,
+    finished inputs in ``samebits_embedding_inputs``; the engine gauges, token latencies and the
+    canary are the generation model's, so this loop leaves them alone."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.prompt_tokens = metrics.embedding_tokens
+        self.batch_size = metrics.embedding_batch_size
+        self.finished = _FinishedInputs(metrics)
+        self.kv_blocks_total = _Unreported()
+
+    def set_engine_state(self, running: int, waiting: int, kv_blocks: int) -> None:
+        """The generation model's gauges: not set from here."""
+
+
+class _Unreported:
+    """A metric of the generation model's, not reported by the embedding loop."""
+
+    def set(self, value: float) -> None: ...
+
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _FinishedInputs:
+    """``finished.labels(reason=...).inc()``: an input counts as embedded unless it was aborted
+    or failed."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._inputs = metrics.embedding_inputs
+
+    def labels(self, reason: str) -> Any:
+        return _Unreported() if reason in ("abort", "error") else self._inputs
 
 
 @dataclass
-class _Job:
-    inputs: list[EmbedInput]
-    truncate: bool | int  # Embedder.tokenize's: True (at the model's limit) or a token count
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    abandoned: bool = False  # set by the event loop when the client left: drop, never finish
-    ids: list[list[int]] | None = None  # token ids, filled in by the worker
-    outputs: list[EmbeddingOutput] = field(default_factory=list)  # done so far, in order
+class EmbeddingContext:
+    """The embedding model of a server: its engine loop, how it tokenizes, what it reports."""
 
+    engine: AsyncEngine
+    model_name: str
+    inputs: EmbeddingInputs
+    fingerprint: str
+    dimension: int
+    slice_inputs: int  # inputs per engine submission (the engine's max_num_seqs)
+    metrics: Metrics
 
-_STOP = object()
-
-
-class EmbeddingService:
-    """The embedding model of a server and the thread that runs it.
-
-    Each embedder call takes at most ``max_batch_inputs`` inputs, shared round robin among the
-    requests in flight (each gets about ``max_batch_inputs / len(active)``), so a small request
-    waits about one call behind a large one, and an abandoned request stops within one call.
-    Batch-invariant numerics make the split invisible in the vectors.
-    """
-
-    def __init__(self, embedder: Embedder, model_name: str, metrics: Metrics,
-                 max_batch_inputs: int = MAX_BATCH_INPUTS,
-                 max_queued_requests: int | None = None) -> None:
-        self.embedder, self.model_name, self.metrics = embedder, model_name, metrics
-        self.max_batch_inputs = max_batch_inputs
-        self.max_queued_requests = max_queued_requests
-        self._in_flight = 0  # event loop only
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: list[_Job] = []  # worker thread only, in round-robin order
-        self._thread: threading.Thread | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        return self.embedder.fingerprint
+    @classmethod
+    def serve(cls, engine: LLMEngine, model_name: str, metrics: Metrics,
+              max_queued_requests: int | None = None) -> EmbeddingContext:
+        """The context over ``engine`` (an embedding model's), with its own engine loop."""
+        loop = AsyncEngine(engine, EmbeddingEngineMetrics(metrics), max_queued_requests)
+        return cls(loop, model_name, embedding_inputs(engine.loaded), engine.fingerprint,
+                   engine.loaded.model_config.hidden_size, engine.config.max_num_seqs, metrics)
 
     @property
     def max_len(self) -> int:
-        return self.embedder.max_len
-
-    @property
-    def dimension(self) -> int:
-        return self.embedder.model_config.hidden_size
-
-    # ---- event-loop side ------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="samebits-embed", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self._jobs.put(_STOP)
-            self._thread.join(timeout)
-            self._thread = None
+        return self.inputs.max_len
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    async def embed(self, inputs: list[EmbedInput], truncate: bool | int,
-                    disconnected: Awaitable[None] | None = None) -> list[EmbeddingOutput]:
-        """Vectors of the inputs; bad input raises a 400 ``APIError`` naming the input. When
-        ``disconnected`` completes first, the work is dropped and a 499 raised."""
-        if not self.alive:
-            raise APIError(503, "the embedding worker is not running")
-        limit = self.max_queued_requests
-        if limit is not None and self._in_flight >= max(limit, 1):
-            raise APIError(503, f"the server is busy: {self._in_flight} embedding requests in "
-                           f"flight (limit {limit}, --max-queued-requests); retry later",
-                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
-        job = _Job(inputs, truncate)
-        self._in_flight += 1
-        self._jobs.put(job)
-        try:
-            return await _first(job.future, disconnected)
-        finally:
-            self._in_flight -= 1
-            if not job.future.done():
-                job.abandoned = True
-                job.future.cancel()
-
-    # ---- worker thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while self._take_jobs():
-                batch = self._next_batch()
-                try:
-                    self._process(batch)
-                except Exception:  # never leave a caller waiting, never stop the worker
-                    log.exception("embedding failed; failing its requests")
-                    for job, _ in batch:
-                        self._finish(job, error=APIError(500, "internal error in the embedder"))
-        finally:
-            self._fail_queued()
-
-    def _take_jobs(self) -> bool:
-        """Move newly submitted jobs into the rotation (waiting when idle); False: stop."""
-        block = not self._active
-        while True:
-            try:
-                job = self._jobs.get(block=block)
-            except queue.Empty:
-                return True
-            if job is _STOP:
-                return False
-            block = False
-            self._active.append(job)
-            self._tokenize(job)
-
-    def _tokenize(self, job: _Job) -> None:
-        try:
-            job.ids = self.embedder.tokenize(job.inputs, job.truncate)
-        except ValueError as e:
-            self._finish(job, error=input_error(str(e)))
-        except Exception:  # never leave a caller waiting, never stop the worker
-            log.exception("tokenization failed; failing its request")
-            self._finish(job, error=APIError(500, "internal error in the embedder"))
-
-    def _next_batch(self) -> list[tuple[_Job, int]]:
-        """(job, number of its next inputs) for one embedder call, round robin: every job in
-        flight gets an equal share of ``max_batch_inputs`` (at least one input)."""
-        for job in [j for j in self._active if j.abandoned]:
-            self._active.remove(job)
-        batch, room = [], self.max_batch_inputs
-        share = -(-room // max(len(self._active), 1))
-        for job in list(self._active):
-            if room == 0:
-                break
-            assert job.ids is not None
-            take = min(share, len(job.ids) - len(job.outputs), room)
-            batch.append((job, take))
-            room -= take
-        served = len(batch)  # the next call starts with the first job not served in this one
-        self._active = self._active[served:] + self._active[:served]
-        return batch
-
-    def _process(self, batch: list[tuple[_Job, int]]) -> None:
-        ids = [seq for job, take in batch for seq in _next_ids(job, take)]
-        if not ids:
-            return
-        outputs = self.embedder.embed_outputs(ids)
-        self.metrics.embedding_batch_size.observe(len(ids))
-        self.metrics.embedding_inputs.inc(len(ids))
-        self.metrics.embedding_tokens.inc(sum(len(seq) for seq in ids))
-        start = 0
-        for job, take in batch:
-            job.outputs.extend(outputs[start:start + take])
-            start += take
-            if job.ids is not None and len(job.outputs) == len(job.ids):
-                self._finish(job, result=job.outputs)
-
-    def _finish(self, job: _Job, result: list[EmbeddingOutput] | None = None,
-                error: APIError | None = None) -> None:
-        if job in self._active:
-            self._active.remove(job)
-        _settle(job, result, error)
-
-    def _fail_queued(self) -> None:
-        for job in self._active:
-            _settle(job, error=APIError(503, "the server is shutting down"))
-        self._active.clear()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not _STOP:
-                _settle(job, error=APIError(503, "the server is shutting down"))
+        return self.engine.alive
 
 
-def _next_ids(job: _Job, take: int) -> list[list[int]]:
-    assert job.ids is not None
-    done = len(job.outputs)
-    return job.ids[done:done + take]
-
-
-async def _first(future: asyncio.Future, disconnected: Awaitable[None] | None) -> Any:
-    """The future's result, or a 499 if ``disconnected`` completes first."""
-    if disconnected is None:
-        return await future
-    watcher = asyncio.ensure_future(disconnected)
+async def embed_ids(ctx: EmbeddingContext, ids: list[list[int]], request: Request | None = None
+                    ) -> list[list[float]]:
+    """The vector of each token id list, in order (module docstring: slices, at most
+    ``SLICES_IN_FLIGHT`` in the engine). A client that disconnects first aborts the work: 499."""
+    prefix, size = new_id("embd"), ctx.slice_inputs
+    vectors: list[list[float]] = []
+    in_engine: list[RequestGroup] = []
+    watcher = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
     try:
-        done, _ = await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if future not in done:
-            raise APIError(499, "client disconnected")
-        return future.result()
+        for start in range(0, len(ids), size):
+            group = _group(f"{prefix}-{start}", ids[start:start + size])
+            await submit(ctx, group)
+            in_engine.append(group)
+            if len(in_engine) == SLICES_IN_FLIGHT:
+                vectors += await _vectors(in_engine[0], watcher)
+                in_engine.pop(0)
+        while in_engine:
+            vectors += await _vectors(in_engine[0], watcher)
+            in_engine.pop(0)
+        return vectors
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        for group in in_engine:  # a departed client, or an error: nothing more runs for it
+            ctx.engine.abort(group.request_ids)
 
 
-def _settle(job: _Job, result: list[EmbeddingOutput] | None = None,
-            error: APIError | None = None) -> None:
-    def apply() -> None:
-        if job.future.done():  # the caller went away
-            return
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
+def _group(prefix: str, ids: list[list[int]]) -> RequestGroup:
+    return RequestGroup([f"{prefix}-{i}" for i in range(len(ids))], ids,
+                        [PoolingParams()] * len(ids), [0] * len(ids), stream=False)
 
-    try:
-        job.loop.call_soon_threadsafe(apply)
-    except RuntimeError:  # the event loop is closed: nobody is listening any more
+
+async def _vectors(group: RequestGroup, watcher: asyncio.Future | None) -> list[list[float]]:
+    """The group's vectors in order; a 499 if ``watcher`` (the client left) completes first."""
+    vectors: list[list[float] | None] = [None] * len(group.request_ids)
+    for _ in vectors:
+        delta = await _first(group.queue.get(), watcher)
+        if delta.error is not None:
+            raise APIError(500, delta.error)
+        assert isinstance(delta.output, PoolingOutput)
+        vectors[delta.index] = delta.output.embedding
+    return vectors
+
+
+async def _first(work, watcher: asyncio.Future | None):
+    """``work``'s result, or a 499 if ``watcher`` completes first."""
+    if watcher is None:
+        return await work
+    if watcher.done():  # checked first: results already queued must not hide a departure
+        work.close()
+        raise APIError(499, "client disconnected")
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
@@ -254,31 +176,35 @@ def input_error(message: str) -> APIError:
 
 
 # ---- the endpoint ---------------------------------------------------------------------------
-async def create_embedding(svc: EmbeddingService, req: EmbeddingRequest,
+async def create_embedding(ctx: EmbeddingContext, req: EmbeddingRequest,
                            request: Request | None = None) -> EmbeddingResponse:
     """The response; a client that disconnects first abandons the work (a 499, not a 200)."""
     arrival = time.monotonic()
-    if req.dimensions is not None and req.dimensions != svc.dimension:
-        raise APIError(400, f"dimensions={req.dimensions} is not supported: {svc.model_name!r} "
-                       f"gives {svc.dimension}-dimensional vectors (omit dimensions)",
+    if req.dimensions is not None and req.dimensions != ctx.dimension:
+        raise APIError(400, f"dimensions={req.dimensions} is not supported: {ctx.model_name!r} "
+                       f"gives {ctx.dimension}-dimensional vectors (omit dimensions)",
                        param="dimensions")
-    disconnected = None if request is None else _wait_disconnect(request)
-    outputs = await svc.embed(_inputs(req.input), _truncation(svc, req), disconnected)
+    items, truncate = _inputs(req.input), _truncation(ctx, req)
+    try:  # off the event loop: tokenizers releases the GIL
+        ids = await asyncio.to_thread(ctx.inputs.tokenize, items, truncate)
+    except ValueError as e:
+        raise input_error(str(e)) from None
+    vectors = await embed_ids(ctx, ids, request)
     encode = _base64 if req.encoding_format == "base64" else list
-    data = [EmbeddingData(index=i, embedding=encode(o.embedding)) for i, o in enumerate(outputs)]
-    tokens = sum(o.num_tokens for o in outputs)
-    svc.metrics.embedding_latency.observe(time.monotonic() - arrival)
-    return EmbeddingResponse(data=data, model=svc.model_name, system_fingerprint=svc.fingerprint,
+    data = [EmbeddingData(index=i, embedding=encode(v)) for i, v in enumerate(vectors)]
+    tokens = sum(len(i) for i in ids)
+    ctx.metrics.embedding_latency.observe(time.monotonic() - arrival)
+    return EmbeddingResponse(data=data, model=ctx.model_name, system_fingerprint=ctx.fingerprint,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-def _truncation(svc: EmbeddingService, req: EmbeddingRequest) -> bool | int:
+def _truncation(ctx: EmbeddingContext, req: EmbeddingRequest) -> bool | int:
     k = req.truncate_prompt_tokens
     if k is None or k == -1:
         return req.truncate or k == -1
-    if not 0 < k <= svc.max_len:
+    if not 0 < k <= ctx.max_len:
         raise APIError(400, f"truncate_prompt_tokens must be -1 or from 1 to the model's limit of "
-                       f"{svc.max_len} tokens, got {k}", param="truncate_prompt_tokens")
+                       f"{ctx.max_len} tokens, got {k}", param="truncate_prompt_tokens")
     return k
 
 
@@ -294,11 +220,6 @@ def _inputs(value: str | list) -> list[EmbedInput]:
     else:
         items = [value] if isinstance(value[0], int) else list(value)
     return items
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _base64(vector: Sequence[float]) -> str:

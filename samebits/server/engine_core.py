@@ -24,8 +24,10 @@ from typing import Any, Protocol
 
 from samebits.engine.engine import LLMEngine
 from samebits.engine.fanout import seed_requests
+from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import Sequence, SequenceStatus
 from samebits.outputs import CompletionOutput, PromptLogprobs
+from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 
@@ -41,7 +43,7 @@ class AddGroup:
     group_id: int
     request_ids: list[str]
     prompts: list[list[int]]
-    params: list[SamplingParams]  # the request's, unseeded per candidate
+    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
     seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
     stream: bool  # a Delta every step, not only the last
     cache_salt: str | None
@@ -74,9 +76,10 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    output: CompletionOutput | None = None  # the request's result (one choice)
+    output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
     error: str | None = None  # the engine failed; the request is gone
     text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
+    error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
     cached_tokens: int = 0  # with ``output``: prompt tokens read from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # with ``output``, when asked for
 
@@ -84,9 +87,9 @@ class Delta:
 @dataclass(frozen=True)
 class Admitted:
     group_id: int
-    seed: int | None  # the request's seed, given or drawn (engine.fanout); None when refused
-    seeds: list[int] | None  # per request
+    seeds: list[int] | None  # per request; None when ``error`` refused the group
     error: Exception | None = None
+    seed: int | None = None  # the request's seed, given or drawn (engine.fanout)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class CoreStats:
     finished: Counter = field(default_factory=Counter)  # engine requests by finish reason
     ttft: list[float] = field(default_factory=list)  # arrival -> first token, seconds
     itl: list[float] = field(default_factory=list)  # between two tokens of one request
+    e2e: list[float] = field(default_factory=list)  # arrival -> finish, per engine request
     dequeued: int = 0  # requests that left the queue (running, finished, refused or aborted)
     canary_checks: int = 0
     canary_mismatches: int = 0
@@ -117,7 +121,7 @@ class CoreStats:
 
 
 # a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs,
-# the output text it may send)
+# its new output text)
 TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str]
 
 
@@ -209,17 +213,12 @@ class EngineCore:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished() or self._update is not None or self.canary.pending
 
-    def _flush(self, send: Callable[[CoreOutputs], None], engine_state: bool = True) -> None:
-        """Send what the turn produced (``engine_state``: with the engine's queue and KV
-        figures, which a failing engine may not give)."""
-        stats = self._out.stats
-        if engine_state:
-            engine = self.engine.stats()
-            stats.running, stats.waiting = engine.num_running, engine.num_waiting
-            stats.kv_blocks_used = engine.kv_blocks_used
-        stats.error = self._error
-        self._tally.take(stats)
+    def _flush(self, send: Callable[[CoreOutputs], None]) -> None:
         out, self._out = self._out, CoreOutputs()
+        stats, engine = out.stats, self.engine.stats()
+        stats.running, stats.waiting = engine.num_running, engine.num_waiting
+        stats.kv_blocks_used, stats.error = engine.kv_blocks_used, self._error
+        self._tally.take(stats)
         send(out)
 
     # ---- commands -------------------------------------------------------------------------
@@ -249,8 +248,10 @@ class EngineCore:
 
     def _add(self, cmd: AddGroup) -> None:
         seqs: list[Sequence] = []
+        seed, params = None, cmd.params  # pooling requests draw no seed
         try:
-            seed, params = seed_requests(cmd.params, cmd.seed_offsets, self.engine.draw_seed)
+            if not isinstance(params[0], PoolingParams):
+                seed, params = seed_requests(params, cmd.seed_offsets, self.engine.draw_seed)
             for rid, ids, p, off in zip(cmd.request_ids, cmd.prompts, params, cmd.seed_offsets,
                                         strict=True):
                 seqs.append(self.engine.add_request(rid, ids, p, score_only=cmd.score_only,
@@ -263,11 +264,11 @@ class EngineCore:
             self._tracked[seq.request_id] = _Tracked(i, seq, cmd.stream, cmd.arrival)
             self._queued.add(seq.request_id)
             self._out.stats.prompt_tokens += len(seq.prompt_token_ids)
-        self._out.replies.append(Admitted(cmd.group_id, seed, [s.seed for s in seqs]))
+        self._out.replies.append(Admitted(cmd.group_id, [s.seed for s in seqs], seed=seed))
 
     def _refuse(self, cmd: AddGroup, error: Exception) -> None:
         self._out.stats.dequeued += len(cmd.request_ids)
-        self._out.replies.append(Admitted(cmd.group_id, None, None, error))
+        self._out.replies.append(Admitted(cmd.group_id, None, error))
 
     def _queue_update(self, cmd: UpdateWeights) -> None:
         if self._update is not None:
@@ -320,7 +321,7 @@ class EngineCore:
         for seq in progressed:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
-                self._deliver(seq, tracked, now)
+                self._deliver_alone(seq, tracked, now)
 
     def _mark_running(self) -> None:
         """Requests the scheduler has taken in leave the queue count."""
@@ -329,7 +330,26 @@ class EngineCore:
         self._queued.difference_update(started)
         self._out.stats.dequeued += len(started)
 
+    def _deliver_alone(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        """``_deliver``, or the request's own error: a request that failed alone in the step, or
+        whose result cannot be built, fails with its cause; the others are delivered as usual."""
+        if seq.error is not None:
+            status = 400 if seq.error.invalid_request else 500
+            return self._fail(seq.request_id, seq.error.message, status)
+        try:
+            self._deliver(seq, t, now)
+        except Exception as e:
+            log.exception("delivering %s failed", seq.request_id)
+            message = f"building its output failed: {type(e).__name__}"
+            if seq.request_id in self._tracked:
+                self._fail(seq.request_id, message)
+            else:  # it failed after leaving the tracked set: tell its caller all the same
+                self._out.last.append((seq.request_id, Delta(t.index, [], [], [],
+                                                               error=message)))
+
     def _deliver(self, seq: Sequence, t: _Tracked, now: float) -> None:
+        if isinstance(seq, PoolingSequence):
+            return self._deliver_pooled(seq, t)
         total, stats = len(seq.output_token_ids), self._out.stats
         if total > t.seen:
             stats.generation_tokens += total - t.seen
@@ -343,6 +363,7 @@ class EngineCore:
             self._untrack(seq.request_id)
             self.canary.offer(seq)
             stats.finished[seq.finish_reason or "unknown"] += 1
+            stats.e2e.append(now - t.arrival)
         elif t.stream and total > t.sent:
             s = slice(t.sent, total)
             t.sent = total
@@ -350,13 +371,23 @@ class EngineCore:
                                      seq.top_logprobs[s], self.engine.output.stream_text(seq)))
 
     def _last_delta(self, seq: Sequence, t: _Tracked) -> Delta:
-        s, output = slice(t.sent, len(seq.output_token_ids)), self.engine.output
-        text = output.stream_text(seq) if t.stream else ""
+        s = slice(t.sent, len(seq.output_token_ids))
+        output = self.engine.output
         return Delta(t.index, seq.output_token_ids[s], seq.logprobs[s], seq.top_logprobs[s],
-                     output.completion(seq), text=text, cached_tokens=seq.num_cached_tokens,
+                     output.completion(seq), text=output.stream_text(seq) if t.stream else "",
+                     cached_tokens=seq.num_cached_tokens,
                      prompt_logprobs=output.prompt_logprobs(seq))
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _deliver_pooled(self, seq: PoolingSequence, t: _Tracked) -> None:
+        """A pooling request's one delta: its vector, once computed."""
+        if not seq.is_finished:
+            return
+        self._untrack(seq.request_id)
+        self._out.stats.finished[seq.finish_reason or "unknown"] += 1
+        self._out.last.append((seq.request_id, Delta(t.index, [], [], [],
+                                                       PoolingOutput(seq.embedding))))
+
+    def _fail(self, request_id: str, message: str, status: int = 500) -> None:
         t = self._untrack(request_id)
         assert t is not None
         try:
@@ -364,10 +395,12 @@ class EngineCore:
         except Exception:  # the engine is in a bad state; the request is dropped either way
             log.exception("abort of %s failed", request_id)
         self._out.stats.finished["error"] += 1
-        self._out.last.append((request_id, Delta(t.index, [], [], [], error=message)))
+        self._out.last.append((request_id, Delta(t.index, [], [], [], error=message,
+                                                 error_status=status)))
 
     def _shut_down(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
         """Fail what is in flight and what is still queued: no caller waits forever."""
+        self._error = self._error or NOT_RUNNING
         for request_id in list(self._tracked):
             self._fail(request_id, "the server is shutting down")
         pending: list[Any] = self._held + ([self._update] if self._update else [])
@@ -381,6 +414,6 @@ class EngineCore:
                 self._out.replies.append(WeightsUpdated(cmd.call_id, None,
                                                         RuntimeError(NOT_RUNNING)))
         try:
-            self._flush(send, engine_state=False)
+            self._flush(send)
         except Exception:  # nobody is listening any more
             log.debug("the engine loop's last outputs were not delivered", exc_info=True)

@@ -30,6 +30,7 @@ from typing import Any
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
+from samebits.llm_options import loaded_with_tokenizer
 from samebits.server.engine_core import CoreOutputs, EngineCore, Stop
 from samebits.text.tokenizer import Tokenizer
 
@@ -65,12 +66,13 @@ class _Start:
 class EngineProcess:
     """The server's handle on an engine core process (see the module docstring)."""
 
-    gone = "the engine process stopped"  # what /health says once it has
-
-    def __init__(self, config: EngineConfig, log_level: str = "warning") -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "warning",
+                 tokenizer: str | None = None) -> None:
+        """``tokenizer``: another tokenizer's directory, model file or id (vLLM's
+        ``--tokenizer``), loaded by the engine process in place of the model's."""
         context = mp.get_context("spawn")  # CUDA cannot be forked; nothing is inherited
         self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=_main, args=(config, child, log_level),
+        self._process = context.Process(target=_main, args=(config, child, log_level, tokenizer),
                                         name="samebits-engine-core")
         self._process.start()
         child.close()
@@ -208,13 +210,13 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def _main(config: EngineConfig, conn: Connection, log_level: str) -> None:
+def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str | None) -> None:
     """The engine process: build the engine, say so, run the core until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
-        engine = LLMEngine(config)
+        engine = engine_with_tokenizer(config, tokenizer)
     except BaseException as e:
         return _send(conn, _Failed(_portable(e), traceback.format_exc()))
     model, tokenizer = engine.loaded.model_config, engine.tokenizer
@@ -231,3 +233,10 @@ def _main(config: EngineConfig, conn: Connection, log_level: str) -> None:
         finally:
             outbox.close()
     conn.close()
+
+
+def engine_with_tokenizer(config: EngineConfig, tokenizer: str | None) -> LLMEngine:
+    """An engine; with ``tokenizer`` (a directory or a hub id), that tokenizer instead of the
+    model's (as ``LLM(tokenizer=...)``; one rank only: under tensor parallel each rank loads its
+    own shard)."""
+    return LLMEngine(config, loaded_with_tokenizer(config, tokenizer, None, None))

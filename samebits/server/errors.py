@@ -8,11 +8,13 @@ characters and its length, as are field names from the input, and a message is a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from samebits.sampling_params import SamplingParams
 from samebits.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -83,10 +85,7 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 
 _FIELD = re.compile(r"^([a-z_]+)\b")
-_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
-           "n", "prompt", "messages", "best_of", "logit_bias", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-           "ignore_eos"}
+_PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
 
 
 def from_value_error(e: ValueError) -> APIError:

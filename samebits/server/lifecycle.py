@@ -1,8 +1,8 @@
 """Whether the server takes work, and how it stops.
 
-``Readiness`` answers /health: 503 while the server drains for shutdown, or once a worker cannot
-go on (the engine thread died or an engine step failed: ``AsyncEngine.error``; the embedding
-worker stopped). ``ReadinessGate`` then refuses new work (``/v1/*``, ``/tokenize``,
+``Readiness`` answers /health: 503 while the server drains for shutdown, or once an engine loop
+(the generation model's or the embedding model's) cannot go on (its thread died or an engine step
+failed: ``AsyncEngine.error``). ``ReadinessGate`` then refuses new work (``/v1/*``, ``/tokenize``,
 ``/detokenize``) with 503 before any body is read; nothing else changes.
 
 ``run`` serves the app with uvicorn under ``ServerLimits``: the bounded connection protocol

@@ -1,11 +1,22 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process never collide).
 
 The HTTP side counts requests by status; the engine loop reports tokens, queue lengths, batch
-sizes, KV blocks in use and latencies; the embedding worker reports embedded inputs and tokens.
+sizes, KV blocks in use and latencies; the embedding engine's loop reports embedded inputs and tokens.
 prometheus_client is thread-safe, so all may write.
+
+vLLM's names are exported beside samebits' own, with vLLM's ``model_name`` label (the served
+model's name), so a vLLM dashboard or alert reads a samebits server unchanged:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a
+fraction, as vLLM's), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds`` and ``vllm:request_success_total`` (by
+``finished_reason``: stop, length, abort). The engine loop writes each pair through one name
+(``prompt_tokens.inc``, ``ttft.observe``, ...): the two never disagree.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,27 +32,75 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+class _Both:
+    """samebits' metric and vLLM's twin, written together (``inc``, ``set``, ``observe``)."""
+
+    def __init__(self, own: Any, vllm: Any) -> None:
+        self.own, self.vllm = own, vllm
+
+    def inc(self, amount: float = 1) -> None:
+        self.own.inc(amount)
+        self.vllm.inc(amount)
+
+    def set(self, value: float) -> None:
+        self.own.set(value)
+        self.vllm.set(value)
+
+    def observe(self, value: float) -> None:
+        self.own.observe(value)
+        self.vllm.observe(value)
+
+
+class _Remembered:
+    """A gauge that remembers the value it was set to (``value``)."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge, self.value = gauge, 0.0
+
+    def set(self, value: float) -> None:
+        self.gauge.set(value)
+        self.value = value
+
+
+class _Finished:
+    """``finished.labels(reason=...).inc()``: samebits' count by reason, and vLLM's
+    ``request_success`` for the reasons vLLM counts (an engine error is no success)."""
+
+    def __init__(self, own: Counter, vllm: Counter, model: str) -> None:
+        self.own, self.vllm, self.model = own, vllm, model
+
+    def labels(self, reason: str) -> _Both | Counter:
+        if reason not in ("stop", "length", "abort"):
+            return self.own.labels(reason=reason)
+        return _Both(self.own.labels(reason=reason),
+                     self.vllm.labels(model_name=self.model, finished_reason=reason))
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model: str, fingerprint: str, batch_invariant: bool) -> None:
         self.registry = r = CollectorRegistry()
+        vllm = _VLLM(model, r)
         self.requests = Counter("samebits_requests", "HTTP requests to /v1/*, by status code",
                                 ["status"], registry=r)
-        self.finished = Counter("samebits_engine_requests_finished",
-                                "Engine requests (one per choice) finished, by reason",
-                                ["reason"], registry=r)
-        self.prompt_tokens = Counter("samebits_prompt_tokens", "Prompt tokens admitted",
-                                     registry=r)
-        self.generation_tokens = Counter("samebits_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.running = Gauge("samebits_num_requests_running", "Engine requests running",
-                             registry=r)
-        self.waiting = Gauge("samebits_num_requests_waiting", "Engine requests waiting",
-                             registry=r)
+        self.finished = _Finished(Counter(
+            "samebits_engine_requests_finished",
+            "Engine requests (one per choice) finished, by reason", ["reason"], registry=r),
+            vllm.request_success, model)
+        self.prompt_tokens = _Both(Counter("samebits_prompt_tokens", "Prompt tokens admitted",
+                                           registry=r), vllm.prompt_tokens)
+        self.generation_tokens = _Both(Counter("samebits_generation_tokens", "Tokens generated",
+                                               registry=r), vllm.generation_tokens)
+        self.running = _Both(Gauge("samebits_num_requests_running", "Engine requests running",
+                                   registry=r), vllm.running)
+        self.waiting = _Both(Gauge("samebits_num_requests_waiting", "Engine requests waiting",
+                                   registry=r), vllm.waiting)
+        self.kv_usage = vllm.kv_usage
         self.kv_blocks = Gauge("samebits_kv_blocks_in_use", "KV cache blocks referenced by "
                                "requests (free prefix-cache blocks not counted)", registry=r)
-        self.kv_blocks_total = Gauge("samebits_kv_blocks_total", "KV cache blocks", registry=r)
+        self.kv_blocks_total = _Remembered(Gauge("samebits_kv_blocks_total", "KV cache blocks",
+                                                 registry=r))
         self.batch_size = Histogram("samebits_batch_size", "Sequences that made progress in an "
                                     "engine step", buckets=_BATCH_BUCKETS, registry=r)
         self.canary_checks = Counter("samebits_canary_checks", "Finished requests replayed "
@@ -50,10 +109,12 @@ class Metrics:
                                          "output hash differed from what was served", registry=r)
         self.canary_dropped = Counter("samebits_canary_dropped", "Sampled requests not replayed "
                                       "(the canary's queue was full)", registry=r)
-        self.ttft = Histogram("samebits_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("samebits_inter_token_latency_seconds", "Time between two tokens "
-                             "of one request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = _Both(Histogram("samebits_time_to_first_token_seconds", "Arrival to first "
+                                    "token", buckets=_LATENCY_BUCKETS, registry=r), vllm.ttft)
+        self.itl = _Both(Histogram("samebits_inter_token_latency_seconds", "Time between two "
+                                   "tokens of one request", buckets=_LATENCY_BUCKETS, registry=r),
+                         vllm.itl)
+        self.e2e = vllm.e2e  # arrival to finish, per engine request
         self.invariant = Gauge("samebits_batch_invariant", "1 when the batch-invariant numerics "
                                "are on, 0 in standard mode", registry=r)
         self.invariant.set(1 if batch_invariant else 0)
@@ -65,7 +126,7 @@ class Metrics:
         self.embedding_tokens = Counter("samebits_embedding_tokens", "Tokens embedded",
                                         registry=r)
         self.embedding_batch_size = Histogram("samebits_embedding_batch_size", "Inputs per "
-                                              "embedder call (concurrent requests together)",
+                                              "embedding engine step (requests together)",
                                               buckets=_BATCH_BUCKETS + (1024, 2048), registry=r)
         self.embedding_latency = Histogram("samebits_embedding_seconds", "Arrival to vectors, "
                                            "per embedding request", buckets=_LATENCY_BUCKETS,
@@ -81,6 +142,38 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_blocks.set(kv_blocks)
+        total = self.kv_blocks_total.value
+        self.kv_usage.set(kv_blocks / total if total else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VLLM:
+    """vLLM's metrics (its names, help and ``model_name`` label), for the served model."""
+
+    def __init__(self, model: str, r: CollectorRegistry) -> None:
+        label = {"model_name": model}
+
+        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
+            return kind(name, doc, ["model_name"], registry=r, **kw).labels(**label)
+
+        self.running = one(Gauge, "vllm:num_requests_running", "Number of requests in model "
+                           "execution batches.")
+        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be "
+                           "processed.")
+        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
+                            "percent usage.")
+        self.prompt_tokens = one(Counter, "vllm:prompt_tokens", "Number of prefill tokens "
+                                 "processed.")
+        self.generation_tokens = one(Counter, "vllm:generation_tokens", "Number of generation "
+                                     "tokens processed.")
+        self.ttft = one(Histogram, "vllm:time_to_first_token_seconds", "Histogram of time to "
+                        "first token in seconds.", buckets=_LATENCY_BUCKETS)
+        self.itl = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token "
+                       "latency in seconds.", buckets=_LATENCY_BUCKETS)
+        self.e2e = one(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request "
+                       "latency in seconds.", buckets=_LATENCY_BUCKETS)
+        self.request_success = Counter("vllm:request_success", "Count of successfully "
+                                       "processed requests.", ["model_name", "finished_reason"],
+                                       registry=r)

@@ -1,12 +1,17 @@
 """The OpenAI wire format: request and response bodies as pydantic models.
 
-Requests are parsed strictly (``"16"`` is not an integer), an unknown field is a 400 naming it
-(never silently ignored: it might have changed the answer), and every range the engine does not
-check itself is checked here, so a bad request fails before it reaches the engine. Fields with no
-effect on the output (``user``, ``metadata``, ``store``, ``stream_options``, ``service_tier``,
-``parallel_tool_calls``) are accepted. samebits adds ``seed`` to each choice and to the response:
-the seed a choice was sampled with, drawn by the engine when the request gave none, so any answer
-can be replayed.
+Requests are parsed strictly (``"16"`` is not an integer) and an unknown field is a 400 naming it
+(never silently ignored: it might have changed the answer). This module checks the wire format
+(types, shapes, which fields go together); the ranges of sampling values are checked once, by
+``SamplingParams`` (``to_sampling_params`` maps a request onto it, vLLM's field names), whose
+``ValueError`` names the field. Fields with no effect on the output (``user``, ``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``) are accepted. vLLM's request extensions are
+honoured: ``return_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``truncate_prompt_tokens``,
+``stream_options.continuous_usage_stats``, and on chat ``echo``, ``add_generation_prompt``,
+``continue_final_message``, ``prompt_logprobs``. samebits adds ``seed`` to each choice and to the
+response: the seed a choice was sampled with, drawn by the engine when the request gave none, so
+any answer can be replayed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from pydantic import (
     model_validator,
 )
 
+from samebits.sampling_params import SamplingParams
+from samebits.structured_outputs import StructuredOutputsParams
+
 MAX_N = 64  # choices per prompt; each choice is one engine request
 MAX_CHOICES = 256  # choices per request, over all prompts of a completion request
 MAX_TOP_LOGPROBS = 20
@@ -36,7 +44,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries its choice's usage so far
     include_obfuscation: bool | None = None  # no effect: samebits adds no obfuscation padding
 
 
@@ -117,21 +126,21 @@ class SamplingFields(_Request):
     """Fields both endpoints share. ``None`` means the default."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)  # >= n; > n only without streaming
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # extension (as vLLM): 0 or -1 is off
-    min_p: float | None = Field(None, ge=0, le=1)  # extension
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int = Field(1, le=MAX_N)
+    best_of: int | None = Field(None, le=MAX_N)  # >= n; > n only without streaming
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (as vLLM): 0 or -1 is off
+    min_p: float | None = None  # extension
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
-    min_tokens: int = Field(0, ge=0)  # extension
+    min_tokens: int = 0  # extension
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> [-100, 100]
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)  # extension (as vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (as vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # accepted, no effect on the output:
@@ -147,41 +156,70 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
+    # vLLM's extensions (SamplingParams fields of the same names, but return_token_ids):
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
 
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[int, float] | None:
         if value is None:
             return None
-        if not all(k.isascii() and k.isdigit() for k in value):
-            raise ValueError("keys must be token ids (non-negative integers as strings)")
-        if not all(-100 <= v <= 100 for v in value.values()):
-            raise ValueError("values must be in [-100, 100]")
+        for k in value:
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"key {k!r} is not a token id (a non-negative integer, as a "
+                                 "string)")
         return {int(k): v for k, v in value.items()}
 
-    @field_validator("best_of")
+    @field_validator("stream_options")
     @classmethod
-    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n", 1)
-        if value is not None and value < n:
-            raise ValueError(f"best_of ({value}) must be >= n ({n})")
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                                    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
         return value
 
     def num_candidates(self) -> int:
         """Engine requests per prompt: best_of when given, else n."""
         return self.n if self.best_of is None else self.best_of
 
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           structured: StructuredOutputsParams | None = None, **extra: Any
+                           ) -> SamplingParams:
+        """The request's ``SamplingParams`` (choice 0's seed; ``extra``: fields an endpoint sets
+        itself, such as ``prompt_logprobs``). Raises ``ValueError`` naming a bad field."""
+        if self.stream and self.num_candidates() > self.n:
+            raise ValueError("best_of > n cannot be streamed (the best are known only at the "
+                             "end): set stream=false or best_of=n")
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS
+                 if getattr(self, name) is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=structured, **given, **extra)
+
+
+_SAMPLING_FIELDS = (  # request fields that are SamplingParams fields of the same name
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "logit_bias", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
+
 
 class CompletionRequest(SamplingFields):
     """``echo`` puts the prompt (and, with ``logprobs``, its logprobs: the first one null) before
-    the generated text; ``max_tokens: 0`` generates nothing (scoring). ``prompt_logprobs`` (vLLM)
-    returns each prompt token's logprob, rank and top-k in vLLM's per-choice shape."""
+    the generated text (streamed: in each choice's first chunk); ``max_tokens: 0`` generates
+    nothing (scoring). ``prompt_logprobs`` (vLLM) returns each prompt token's logprob, rank and
+    top-k in vLLM's per-choice shape."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # extension (as vLLM)
+    prompt_logprobs: int | None = None  # extension (as vLLM)
 
 
 class TextPart(_Request):
@@ -190,21 +228,35 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """A message; ``function`` (a result) and an assistant's ``function_call`` are the legacy
+    forms of ``tool`` and ``tool_calls``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (then content may be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: FunctionCall | None = None  # legacy: an assistant's one call
     # what the openai SDK's message.model_dump() adds to an assistant message sent back: accepted
     # only empty, since they would change nothing
     refusal: None = None
     annotations: list[Any] | None = None
     audio: None = None
-    function_call: None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"a content part of type {kind!r}: this model takes text only "
+                                 "(send parts of type 'text')")
+        return value
 
     @model_validator(mode="after")
     def _has_content(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        calls = self.tool_calls or self.function_call
+        if self.content is None and not (self.role == "assistant" and calls):
             raise ValueError("each message needs a content (a string or a list of text parts); "
                              "only an assistant message with tool_calls may have none")
         return self
@@ -216,15 +268,27 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    """vLLM's chat extensions: ``echo`` starts the reply with the last message's content when
+    that message has the reply's role; ``add_generation_prompt: false`` with
+    ``continue_final_message: true`` continues the last message instead of starting a new one;
+    ``prompt_logprobs`` as on completions. ``functions`` / ``function_call`` (legacy) are
+    ``tools`` / ``tool_choice``."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None  # accepted; several calls are always allowed
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -232,6 +296,35 @@ class ChatCompletionRequest(SamplingFields):
         if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy_or_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        modern = {"functions": "tools", "function_call": "tool_choice"}[info.field_name]
+        if value is not None and info.data.get(modern) is not None:
+            raise ValueError(f"give {modern} or {info.field_name} (its legacy form), not both")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt=false (a reply "
+                             "either continues the last message or starts a new one)")
+        return value
+
+    def tool_list(self) -> list[Tool]:
+        """``tools``, or the legacy ``functions`` as tools."""
+        if self.functions is not None:
+            return [Tool(type="function", function=f) for f in self.functions]
+        return list(self.tools or ())
+
+    def tool_choice_value(self) -> str | NamedToolChoice | None:
+        """``tool_choice``, or the legacy ``function_call`` as one."""
+        fc = self.function_call
+        if isinstance(fc, NamedFunction):
+            return NamedToolChoice(type="function", function=fc)
+        return fc if fc is not None else self.tool_choice
 
 
 class EmbeddingRequest(_Request):
@@ -288,6 +381,11 @@ class PromptLogprob(BaseModel):
     decoded_token: str | None = None
 
 
+def _omitted_when_none():
+    """A field left out of the JSON when None (extensions the request did not ask for)."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -295,6 +393,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     seed: int
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # vLLM's return_token_ids (a stream: prompt_token_ids on each choice's first chunk)
+    prompt_token_ids: list[int] | None = _omitted_when_none()
+    token_ids: list[int] | None = _omitted_when_none()
 
 
 class _Response(BaseModel):
@@ -332,6 +433,7 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = _omitted_when_none()  # a legacy functions request's
 
 
 class ChatChoice(BaseModel):
@@ -340,18 +442,22 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     seed: int
+    token_ids: list[int] | None = _omitted_when_none()  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omitted_when_none()
+    prompt_token_ids: list[int] | None = _omitted_when_none()  # vLLM's return_token_ids
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = _omitted_when_none()  # legacy functions request
 
 
 class ChatChunkChoice(BaseModel):
@@ -360,12 +466,14 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     seed: int
+    token_ids: list[int] | None = _omitted_when_none()  # vLLM's return_token_ids
 
 
 class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = _omitted_when_none()  # return_token_ids: first chunk
 
 
 class EmbeddingData(BaseModel):
@@ -392,6 +500,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "samebits"
+    root: str  # what the model was loaded from (the path or id given to serve), as vLLM
+    parent: str | None = None
     max_model_len: int
     system_fingerprint: str
     task: Literal["generate", "embed"] = "generate"  # extension: which endpoints serve it

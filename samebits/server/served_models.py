@@ -1,13 +1,16 @@
-"""Which model answers which endpoint: a generation model (completions, chat), an embedding model
-(embeddings), or both side by side. A request that names the wrong kind of model gets a 400 that
-says what the model is and where to send it; an unknown name gets a 404 listing the served models.
+"""Which model answers which endpoint: a generation model (completions, chat, responses), an
+embedding model (embeddings), or both side by side. Each model answers to its name and to its
+aliases (``samebits serve MODEL --served-model-name A B``: A, B and MODEL). A request that names
+the wrong kind of model gets a 400 that says what the model is and where to send it; an unknown
+name gets a 404 listing the served models. ``GET /v1/models`` lists one card per name (vLLM's
+shape: ``root`` is what the model was loaded from).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from samebits.server.embeddings import EmbeddingService
+from samebits.server.embeddings import EmbeddingContext
 from samebits.server.errors import APIError
 from samebits.server.protocol import ModelCard
 from samebits.server.serving import ServingContext
@@ -16,14 +19,15 @@ from samebits.server.serving import ServingContext
 @dataclass
 class ServedModels:
     generation: ServingContext | None
-    embedding: EmbeddingService | None
+    embedding: EmbeddingContext | None
+    embedding_aliases: tuple[str, ...] = ()  # the embedding model's other names
 
     def __post_init__(self) -> None:
         if self.generation is None and self.embedding is None:
             raise ValueError("a server needs a generation model, an embedding model or both")
-        if self.generation and self.embedding and self._gen_name == self._emb_name:
+        if shared := set(self._gen_names) & set(self._emb_names):
             raise ValueError(f"the generation and the embedding model are both named "
-                             f"{self._gen_name!r}: give them different names")
+                             f"{sorted(shared)[0]!r}: give them different names")
 
     @property
     def _gen_name(self) -> str | None:
@@ -34,6 +38,16 @@ class ServedModels:
         return self.embedding.model_name if self.embedding else None
 
     @property
+    def _gen_names(self) -> tuple[str, ...]:
+        ctx = self.generation
+        return () if ctx is None else (ctx.model_name, *ctx.aliases)
+
+    @property
+    def _emb_names(self) -> tuple[str, ...]:
+        svc = self.embedding
+        return () if svc is None else (svc.model_name, *self.embedding_aliases)
+
+    @property
     def fingerprint(self) -> str:
         """The server's fingerprint: the generation model's, else the embedding model's."""
         if self.generation is not None:
@@ -42,36 +56,47 @@ class ServedModels:
         return self.embedding.fingerprint
 
     def cards(self) -> list[ModelCard]:
+        """One card per served name, the generation model's first."""
         cards = []
         if (ctx := self.generation) is not None:
-            cards.append(ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len,
-                                   system_fingerprint=ctx.fingerprint))
+            root = ctx.engine.engine.config.model or ctx.model_name
+            cards += [ModelCard(id=name, root=root, max_model_len=ctx.max_model_len,
+                                system_fingerprint=ctx.fingerprint) for name in self._gen_names]
         if (svc := self.embedding) is not None:
-            cards.append(ModelCard(id=svc.model_name, max_model_len=svc.max_len,
-                                   system_fingerprint=svc.fingerprint, task="embed"))
+            root = svc.engine.engine.config.model or svc.model_name
+            cards += [ModelCard(id=name, root=root, max_model_len=svc.max_len,
+                                system_fingerprint=svc.fingerprint, task="embed")
+                      for name in self._emb_names]
         return cards
+
+    def card(self, name: str) -> ModelCard:
+        """``GET /v1/models/{name}``: the card of a served name, else a 404."""
+        for card in self.cards():
+            if card.id == name:
+                return card
+        raise self._not_found(name)
 
     def for_generation(self, name: str | None, endpoint: str) -> ServingContext:
         """The generation model a completions or chat request names (None: the served one)."""
-        if name is not None and name == self._emb_name:
+        if name is not None and name in self._emb_names:
             raise self._embedding_model(name, endpoint)
         if self.generation is None:
             if name is None:
                 raise self._embedding_model(self._emb_name, endpoint)
             raise self._not_found(name)
-        if name is not None and name != self._gen_name:
+        if name is not None and name not in self._gen_names:
             raise self._not_found(name)
         return self.generation
 
-    def for_embedding(self, name: str | None) -> EmbeddingService:
+    def for_embedding(self, name: str | None) -> EmbeddingContext:
         """The embedding model an embeddings request names (None: the served one)."""
-        if name is not None and name == self._gen_name:
+        if name is not None and name in self._gen_names:
             raise self._generation_model(name)
         if self.embedding is None:
             if name is None:
                 raise self._generation_model(self._gen_name)
             raise self._not_found(name)
-        if name is not None and name != self._emb_name:
+        if name is not None and name not in self._emb_names:
             raise self._not_found(name)
         return self.embedding
 
@@ -90,6 +115,6 @@ class ServedModels:
                         f"model{hint}", param="model", code="model_not_supported")
 
     def _not_found(self, name: str) -> APIError:
-        served = ", ".join(repr(n) for n in (self._gen_name, self._emb_name) if n is not None)
+        served = ", ".join(repr(n) for n in (*self._gen_names, *self._emb_names))
         return APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                         param="model", code="model_not_found")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -30,10 +31,11 @@ from samebits.server.async_engine import (
 )
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.output_hash import HEADER, output_hash
-from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
+from samebits.server.protocol import ErrorResponse, PromptTokensDetails, Usage
 from samebits.server.tokens import TokenText
-from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.tokenizer import Tokenizer
+
+log = logging.getLogger("samebits.server")
 
 
 @dataclass
@@ -45,9 +47,11 @@ class ServingContext:
     fingerprint: str
     token_text: TokenText
     grammars: GrammarCompiler | None = None  # structured output (the engine's compiler)
+    max_logprobs: int = 20  # the most logprobs a request may ask for (--max-logprobs)
+    aliases: tuple[str, ...] = ()  # other names clients may send for this model
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
@@ -74,32 +78,6 @@ class ServingContext:
                                  fits_max_tokens=True)
         except ContextLengthError as e:
             raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
-
-
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """The request's sampling parameters (choice 0's seed); engine-side checks become 400s."""
-    if req.stream and req.num_candidates() > req.n:
-        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the "
-                       "end): set stream=false or best_of=n", param="best_of")
-    defaults = SamplingParams()
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, logprobs=logprobs, seed=req.seed, stop=req.stop,
-            temperature=_or(req.temperature, defaults.temperature),
-            top_p=_or(req.top_p, defaults.top_p), top_k=_or(req.top_k, defaults.top_k),
-            min_p=_or(req.min_p, defaults.min_p), stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of, logit_bias=req.logit_bias,
-            presence_penalty=_or(req.presence_penalty, defaults.presence_penalty),
-            frequency_penalty=_or(req.frequency_penalty, defaults.frequency_penalty),
-            repetition_penalty=_or(req.repetition_penalty, defaults.repetition_penalty),
-            min_tokens=req.min_tokens, structured_outputs=structured)
-    except ValueError as e:
-        raise from_value_error(e) from None
-
-
-def _or(value, default):
-    return default if value is None else value
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
@@ -141,6 +119,8 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
     except QueueFull as e:
         raise APIError(503, str(e), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except RuntimeError as e:  # the engine takes no work (it stopped, or a step failed)
+        raise APIError(503, str(e), code="server_unavailable") from None
     return group.seed
 
 
@@ -150,7 +130,7 @@ async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
     while remaining:
         delta = await group.queue.get()
         if delta.error is not None:
-            raise APIError(500, delta.error)
+            raise APIError(delta.error_status, delta.error)
         remaining -= delta.output is not None
         yield delta
 
@@ -231,6 +211,10 @@ def sse(ctx: ServingContext, group: RequestGroup,
                 yield f"data: {event.model_dump_json()}\n\n"
         except APIError as e:
             yield f"data: {ErrorResponse(error=e.info()).model_dump_json()}\n\n"
+        except Exception as e:  # this stream's own failure (its tool parsing, its text): it ends
+            log.exception("stream failed")  # with an error event, alone
+            info = APIError(500, f"internal error: {type(e).__name__}").info()
+            yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
         finally:
             ctx.engine.abort(group.request_ids)
         yield "data: [DONE]\n\n"

@@ -2,12 +2,12 @@
 (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``) or the older ``guided_json``, ``guided_regex``,
 ``guided_choice`` and ``guided_grammar``. At most one may be given; the constraint is compiled
-before the request is queued, so an invalid schema, regex or grammar is a 400 naming its field.
+before the request is queued (in the grammar compiler's own threads, within its size limits and
+time limit: samebits.engine.grammar), so a schema, regex or grammar that is invalid, too large,
+too slow to compile or satisfiable by no output is a 400 naming its field.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from samebits.server.errors import APIError
 from samebits.server.protocol import SamplingFields
@@ -59,13 +59,14 @@ def _response_format(req: SamplingFields) -> dict:
 
 async def check_constraint(ctx: ServingContext, spec: StructuredOutputsParams | None,
                            field: str | None) -> None:
-    """Compile the constraint (off the event loop; the engine then finds it in the cache)."""
+    """Compile the constraint at admission (off the event loop, bounded in size and time; the
+    engine then finds it in the compiler's cache)."""
     if spec is None:
         return
     if ctx.grammars is None:
         raise APIError(400, f"{field}: this model has no tokenizer, so no structured output",
                        param=field)
     try:
-        await asyncio.to_thread(ctx.grammars.compile, spec)
+        await ctx.grammars.compile_async(spec)
     except ValueError as e:
         raise APIError(400, f"{field}: {e}", param=field) from None

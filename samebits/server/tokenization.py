@@ -5,19 +5,28 @@ As vLLM, they live outside ``/v1`` and are not behind ``--api-key``; ``model`` i
 prompt's special-token text (``<|im_end|>``) maps to its id; ``add_special_tokens`` decides only
 what the tokenizer adds around the text (default true for ``prompt``, false for ``messages``,
 whose chat template places them).
+
+Bounded work: besides ``--max-request-bytes``, a text or token list may hold at most
+``TOKENIZE_LIMIT_FACTOR`` times the context (``--max-model-len``) tokens (lm-eval tokenizes whole
+documents and cuts them into windows itself, so the limit is a multiple); past it, a 400. A text
+certainly over the limit (``Tokenizer.min_num_tokens``) is refused before tokenizing. Templating,
+tokenizing and decoding run in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, model_validator
 
 import samebits
 from samebits.server.errors import APIError
 from samebits.server.protocol import ChatMessage, _Request
 from samebits.server.serving import ServingContext
+
+TOKENIZE_LIMIT_FACTOR = 32  # /tokenize and /detokenize: at most this many contexts of tokens
 
 
 class TokenizeRequest(_Request):
@@ -44,14 +53,20 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[int]
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+def token_limit(ctx: ServingContext) -> int:
+    """The most tokens /tokenize returns or /detokenize takes."""
+    return TOKENIZE_LIMIT_FACTOR * ctx.max_model_len
+
+
 def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
+    """The response (blocking: run it in a worker thread)."""
     tok = _tokenizer(ctx, req.model)
     if req.messages is not None:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -60,22 +75,39 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
             text = tok.apply_chat_template(messages, req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        special = bool(req.add_special_tokens)
+        special, param = bool(req.add_special_tokens), "messages"
     else:
-        text, special = req.prompt, req.add_special_tokens is not False
-    ids = tok.encode(text, add_special_tokens=special)
+        text, special, param = req.prompt, req.add_special_tokens is not False, "prompt"
+    limit = token_limit(ctx)
+    if tok.min_num_tokens(text) > limit:
+        raise _too_many(param, f"at least {tok.min_num_tokens(text)}", limit)
+    try:
+        ids = tok.encode(text, add_special_tokens=special)
+    except UnicodeError:
+        raise APIError(400, f"{param} is not valid UTF-8", param=param) from None
+    if len(ids) > limit:
+        raise _too_many(param, str(len(ids)), limit)
     strs = [tok.id_to_piece(t) or "" for t in ids] if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
                             token_strs=strs)
 
 
 def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    """The response (blocking: run it in a worker thread)."""
     tok = _tokenizer(ctx, req.model)
+    if len(req.tokens) > token_limit(ctx):
+        raise _too_many("tokens", str(len(req.tokens)), token_limit(ctx))
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
     if bad:
         raise APIError(400, f"tokens: {bad[0]} is not a token id of this model (0 to "
                        f"{tok.vocab_size - 1})", param="tokens")
     return DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
+
+
+def _too_many(param: str, count: str, limit: int) -> APIError:
+    return APIError(400, f"{param} has {count} tokens; the limit is {limit} "
+                    f"({TOKENIZE_LIMIT_FACTOR} x max_model_len)", param=param,
+                    code="context_length_exceeded")
 
 
 def tokenizer_info(ctx: ServingContext) -> dict[str, Any]:
@@ -114,12 +146,13 @@ def router(served: Any, parse: Any) -> APIRouter:
     @r.post("/tokenize")
     async def tokenize_route(request: Request) -> TokenizeResponse:
         req = await parse(request, TokenizeRequest)
-        return tokenize(served.for_generation(req.model, "tokenize"), req)
+        return await asyncio.to_thread(tokenize, served.for_generation(req.model, "tokenize"), req)
 
     @r.post("/detokenize")
     async def detokenize_route(request: Request) -> DetokenizeResponse:
         req = await parse(request, DetokenizeRequest)
-        return detokenize(served.for_generation(req.model, "detokenize"), req)
+        return await asyncio.to_thread(detokenize, served.for_generation(req.model, "detokenize"),
+                                       req)
 
     @r.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict[str, Any]:

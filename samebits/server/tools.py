@@ -5,13 +5,16 @@
 - a named function: the output is constrained (grammar) to a JSON object valid against that
   function's ``parameters``, and becomes the arguments of one call to it.
 - ``required``: the output is constrained to a JSON array of one or more
-  ``{"name": ..., "arguments": {...}}`` objects naming the given functions.
+  ``{"name": ..., "arguments": {...}}`` objects naming the given functions. Each function's schema
+  moves under the array schema's ``$defs`` with its local ``$ref`` s (``#/$defs/...``, ``#``)
+  re-rooted, so nested models (pydantic's ``$defs``) keep resolving.
 - ``auto``: unconstrained; Hermes/Qwen ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
   blocks in the text become calls (text before them stays the content). Text that does not parse
   stays content.
-A choice with calls finishes with ``tool_calls`` (``length`` stays ``length``). Streaming sends the
-content as it comes; a named call's arguments stream as generated; ``required`` and ``auto`` calls
-are sent when complete (each with its index, id, name and arguments).
+A choice with calls finishes with ``tool_calls``. A choice cut by ``max_tokens`` (``length``) has no
+calls: its raw text is the content. Streaming sends the content as it comes; a named call's
+arguments stream as generated; ``required`` and ``auto`` calls are sent when complete (each with
+its index, id, name and arguments), or as content when the choice was cut.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 
 from samebits.server.errors import APIError
 from samebits.server.protocol import (
-    ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
+    NamedToolChoice,
+    Tool,
     ToolCall,
 )
 from samebits.structured_outputs import StructuredOutputsParams
@@ -43,10 +47,10 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+def tool_plan(tool_list: list[Tool], tool_choice: str | NamedToolChoice | None) -> ToolPlan:
     """The request's tool mode; a choice that names no given tool is a 400 naming tool_choice."""
-    tools = {t.function.name: t.function for t in req.tools or ()}
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    tools = {t.function.name: t.function for t in tool_list}
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
         return ToolPlan("none")
     if not tools:
@@ -54,10 +58,8 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     if choice == "auto":
         return ToolPlan("auto")
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _schema(f)},
-                  "required": ["name", "arguments"]} for n, f in tools.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return ToolPlan("required", None, StructuredOutputsParams(json=schema))
+        return ToolPlan("required", None, StructuredOutputsParams(json=_calls_schema(tools)))
+    assert isinstance(choice, NamedToolChoice)
     name = choice.function.name
     if name not in tools:
         raise APIError(400, f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
@@ -66,6 +68,31 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
 
 def _schema(function: Any) -> dict[str, Any]:
     return function.parameters or {"type": "object", "properties": {}}
+
+
+def _calls_schema(tools: dict[str, Any]) -> dict[str, Any]:
+    """A JSON array of one or more calls; function i's schema is ``$defs/tool_i`` of it."""
+    defs, calls = {}, []
+    for i, (name, function) in enumerate(tools.items()):
+        key = f"tool_{i}"
+        defs[key] = _rerooted(_schema(function), f"#/$defs/{key}")
+        calls.append({"type": "object", "properties": {"name": {"const": name},
+                                                       "arguments": {"$ref": f"#/$defs/{key}"}},
+                      "required": ["name", "arguments"]})
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with every local ``$ref`` (``#`` or ``#/...``) pointing below ``root`` instead."""
+    if isinstance(node, list):
+        return [_rerooted(x, root) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rerooted(v, root) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def new_call_id() -> str:
@@ -101,12 +128,14 @@ class ToolStream:
         content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return content or None, []
 
-    def finish(self) -> tuple[str | None, list[DeltaToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str | None, list[DeltaToolCall]]:
+        """The held text, as calls or as content (``cut``: the output was cut by max_tokens,
+        so any call in it may be incomplete: content)."""
         if self.plan.mode in ("none", "named") or not self.held:
             return None, []
         held, self.held = self.held, ""
         found = _parse_required(held) if self.plan.mode == "required" else _parse_tagged(held)
-        if found is None:
+        if found is None or cut:
             return held, []  # not calls after all: it was content
         deltas = [DeltaToolCall(index=self.calls + i, id=new_call_id(), type="function",
                                 function=DeltaFunctionCall(name=n, arguments=a))
@@ -121,8 +150,10 @@ class ToolStream:
                                   function=DeltaFunctionCall(name=self.plan.name, arguments=text))]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole text -> (content, tool calls)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """A whole text -> (content, tool calls); a ``cut`` text (max_tokens) has no calls."""
+        if cut and self.plan.mode != "none":
+            return text, []
         content, deltas = self.push(text)
         rest, more = self.finish()
         joined = (content or "") + (rest or "")
@@ -158,7 +189,7 @@ def _parse_tagged(text: str) -> list[tuple[str, str]] | None:
     for body in _CALL.findall(text):
         try:
             call = _call(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
             return None
         if call is None:
             return None
@@ -169,7 +200,7 @@ def _parse_tagged(text: str) -> list[tuple[str, str]] | None:
 def _parse_required(text: str) -> list[tuple[str, str]] | None:
     try:
         items = json.loads(text)
-    except ValueError:
+        calls = [_call(x) for x in items] if isinstance(items, list) else [None]
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
         return None
-    calls = [_call(x) for x in items] if isinstance(items, list) else [None]
     return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]

@@ -33,14 +33,22 @@ TOOLS_PROMPT = (
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where a continued message ends
+# template variables the renderer sets itself (or takes as its own arguments): a request's
+# chat_template_kwargs may not name them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "add_generation_prompt",
+                                      "continue_final_message", "self"})
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, template: str | None = None,
                 template_kwargs: dict[str, Any] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-    """The prompt text; ``ValueError`` when there is no template, it fails, or the options
-    contradict each other."""
+    """The prompt text; ``ValueError`` when there is no template, it fails, the options
+    contradict each other, or ``template_kwargs`` names a reserved variable
+    (``RESERVED_TEMPLATE_KWARGS``)."""
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ())):
+        raise ValueError(f"chat_template_kwargs: {reserved} are set by the server, not by "
+                         "chat_template_kwargs")
     template = template or tokenizer.chat_template
     if not template:
         raise ValueError("this model's tokenizer has no chat template")

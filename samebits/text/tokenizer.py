@@ -140,6 +140,10 @@ class Tokenizer:
             return env.from_string(template).render(**context)
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
+        except (TypeError, AttributeError, LookupError, ArithmeticError, RecursionError) as e:
+            # what the template's own expressions raise on variables it did not expect
+            raise ValueError(f"chat template failed: {type(e).__name__}: "
+                             f"{str(e)[:200]}") from None
 
 
 def _raise(message: str) -> None:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from samebits import LLM  # noqa: E402
-from samebits.embedder import default_model_dir  # noqa: E402
+from samebits.loader.pooling import default_model_dir  # noqa: E402
+from samebits.models.pooler import PoolerConfig  # noqa: E402
 
 COS_MIN = 0.99999
 SUBJECTS = ["The cat", "A young engineer", "Our server", "This tiny model", "The river",
@@ -109,7 +110,7 @@ def test_pooling_modes_on_a_small_bert(tiny_bert, mode, normalize):
     want = _pooled(model, ids, mode, normalize)
     for invariant in (True, False):
         emb = LLM(str(path), task="embed", batch_invariant=invariant)
-        assert (emb.embedder.pooling, emb.embedder.normalize) == (mode, normalize)
+        assert emb.engine.loaded.pooler == PoolerConfig(mode, normalize)
         got = torch.tensor([o.outputs.embedding for o in emb.embed(ids)])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
@@ -123,8 +124,8 @@ def test_texts_past_max_seq_length_truncate_as_sentence_transformers():
     long = [" ".join(SENTENCES[i:i + 20]) for i in range(0, 40, 10)]  # 260-340 tokens each
     long.append(" ".join(SENTENCES))  # ~680 tokens
     emb = LLM(task="embed")
-    lens = [len(emb.embedder.tokenizer.encode(t).ids) for t in long]
-    assert model.max_seq_length == emb.embedder.max_len == 256 and min(lens) > 256, lens
+    lens = [len(emb.get_tokenizer().encode(t)) for t in long]
+    assert model.max_seq_length == emb.engine.max_model_len == 256 and min(lens) > 256, lens
     with pytest.raises(ValueError, match="limit of 256 tokens"):
         emb.embed(long)
     want = model.encode(long, convert_to_tensor=True).float()

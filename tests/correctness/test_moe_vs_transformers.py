@@ -44,7 +44,7 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
     for ids, out in zip(prompts, outs, strict=True):
         tokens, logprobs = _hf_greedy(hf_model, ids, NEW_TOKENS)
         assert out.outputs[0].token_ids == tokens
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, logprobs,
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, logprobs,
                                               strict=True)) < LOGPROB_TOL
 
 

@@ -46,7 +46,7 @@ def _run(llm: LLM, reqs, shuffle_seed: int | None):
     outs = llm.generate([reqs[i][0] for i in order], [reqs[i][1] for i in order])
     got = [None] * len(reqs)
     for i, o in zip(order, outs, strict=True):
-        got[i] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        got[i] = (o.outputs[0].token_ids, o.outputs[0].token_logprobs)
     return got
 
 
@@ -76,7 +76,7 @@ def test_moe_bitwise_equal_with_chunked_prefill_prefix_hits_and_preemption(moe):
     assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])  # again: cache hits
     assert sum(o.num_cached_tokens for o in outs) > 0, "the test must exercise cache hits"
-    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    got = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs]
     assert _mismatches(got, want) == []
 
 

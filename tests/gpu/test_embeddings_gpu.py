@@ -1,6 +1,8 @@
 """Embeddings on CUDA: an all-MiniLM-L6-v2-shaped BERT (dummy weights, mean pooling, L2) in bf16
-and fp32 (TF32 off in the Triton GEMM): a text's vector is bitwise the same alone and in batches of
-4, 16 and 64; the standard mode (stock ops, padded batch) is the negative control."""
+and fp32 (TF32 off in the Triton GEMM), and a Qwen3-Embedding-shaped decoder (last token, L2) in
+bf16: a vector is bitwise the same alone and in batches of 4, 16 and 64 (the engine runs a batch's
+inputs together); the standard mode (stock ops; the encoder's batch padded) is the negative
+control."""
 
 from __future__ import annotations
 
@@ -62,3 +64,35 @@ def test_gpu_embedding_negative_control_standard_mode_differs(model_dir):
     llm = LLM(str(model_dir), task="embed", load_format="dummy", device="cuda", dtype="float32",
               batch_invariant=False)
     assert _differing(llm, _inputs()) != []
+
+
+QWEN3_EMBEDDING = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                   "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
+                   "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                   "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def decoder_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-embedding")
+    (path / "config.json").write_text(json.dumps(QWEN3_EMBEDDING))
+    write_st_files(path, 512, "lasttoken")
+    return path
+
+
+def _decoder_inputs() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(1, 4096) for _ in range(rng.choice([2, 17, 130, 600]))]
+            for _ in range(32)]
+
+
+def test_gpu_decoder_embedding_batched_in_one_step_equals_alone(decoder_dir):
+    llm = LLM(str(decoder_dir), task="embed", load_format="dummy", device="cuda",
+              dtype="bfloat16", max_num_batched_tokens=1 << 14)
+    assert _differing(llm, _decoder_inputs()) == []
+
+
+def test_gpu_decoder_embedding_negative_control_standard_mode_differs(decoder_dir):
+    llm = LLM(str(decoder_dir), task="embed", load_format="dummy", device="cuda",
+              dtype="bfloat16", max_num_batched_tokens=1 << 14, batch_invariant=False)
+    assert _differing(llm, _decoder_inputs()) != []

@@ -70,7 +70,7 @@ def test_moe_gpu_chunked_prefill_prefix_hits_and_score(reference):
     assert _diff(run_shuffled(llm, reqs, 2), want) == []
     outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs])  # with cache hits
     assert sum(o.num_cached_tokens for o in outs) > 0
-    assert _diff([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], want) == []
+    assert _diff([(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs], want) == []
     scored = llm.score([p + t for (p, _), (t, _) in zip(reqs, want, strict=True)])
     for (prompt, _), (_, logprobs), s in zip(reqs, want, scored, strict=True):
         assert s[len(prompt) - 1:] == logprobs

@@ -37,7 +37,7 @@ OPTIONS = dict(load_format="dummy", device="cuda", dtype="bfloat16", seed=0, max
 
 def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
     try:
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+        return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
                 for o in llm.generate(PROMPTS, PARAMS)]
     finally:
         llm.engine.runner.shutdown()

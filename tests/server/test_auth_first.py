@@ -18,7 +18,8 @@ GUARDED = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/cha
            ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize"),
            ("GET", "/tokenizer_info"), ("GET", "/version"), ("GET", "/docs"), ("GET", "/redoc"),
            ("GET", "/docs/oauth2-redirect"), ("GET", "/openapi.json"), ("GET", "/metrics"),
-           ("GET", "/no-such-path"), ("POST", "/v1/update_weights")]
+           ("GET", "/no-such-path"), ("POST", "/v1/update_weights"), ("POST", "/v1/responses"),
+           ("GET", "/v1/models/{model_id}")]
 BAD_KEYS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
             {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]
 

@@ -1,11 +1,12 @@
 """``POST /v1/embeddings`` through real ``samebits serve`` processes and the official client.
 
-32 texts of 3 to ~480 tokens: each vector is bitwise the same sent alone, sent beside the 31
-others as concurrent requests (which the server embeds together), inside one request in shuffled
-order, and from the offline ``LLM(task="embed")`` -- exact float equality through JSON and base64.
-The negative control runs the alone-vs-one-request check on a ``--standard`` server (stock ops on
-padded batches), where some bits must change. Plus bad input, the generation endpoints of an
-embedding server, metrics, and an embedding model served beside a generation model.
+32 texts of 3 to ~256 tokens: each vector is bitwise the same sent alone, sent beside the 31
+others as concurrent requests (which the engine embeds together), inside one request in shuffled
+order (in fewer engine steps than texts), and from the offline ``LLM(task="embed")`` -- exact
+float equality through JSON and base64. The negative control runs the alone-vs-one-request check
+on a ``--standard`` server (stock ops on padded batches), where some bits must change. Plus bad
+input, the generation endpoints of an embedding server, metrics, an embedding model served beside
+a generation model, and the embedding engine loop in process (slicing, abandon, a failed step).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import openai
 import pytest
 
 from samebits import LLM
-from samebits.embedder import EmbeddingOutput
-from samebits.server.embeddings import MAX_BATCH_INPUTS, EmbeddingService
+from samebits.config import EngineConfig
+from samebits.engine.engine import LLMEngine
+from samebits.engine.pooling import embedding_inputs
+from samebits.pooling_params import PoolingParams
+from samebits.server.embeddings import EmbeddingContext, embed_ids
 from samebits.server.errors import APIError
 from samebits.server.metrics import Metrics
 from tests.server.conftest import API_KEY, start_server
@@ -98,7 +102,7 @@ def _concurrent(client: openai.AsyncOpenAI, texts: list[str], limit: int = 16
 
 
 def test_vectors_are_bitwise_independent_of_the_batch_and_equal_offline(embed_server, offline):
-    lens = [len(ids) for ids in offline.embedder.tokenize(TEXTS)]
+    lens = [len(ids) for ids in embedding_inputs(offline.engine.loaded).tokenize(TEXTS)]
     assert min(lens) <= 4 and 200 <= max(lens) <= 256  # very different lengths, all in the limit
     tokens_before = embed_server.metric("samebits_embedding_tokens_total")
     calls_before = embed_server.metric("samebits_embedding_batch_size_count")
@@ -107,7 +111,10 @@ def test_vectors_are_bitwise_independent_of_the_batch_and_equal_offline(embed_se
     calls = embed_server.metric("samebits_embedding_batch_size_count") - calls_before
     assert calls < 32, "concurrent requests should have been embedded together"
     alone = _alone(client, TEXTS)
+    steps_before = embed_server.metric("samebits_embedding_batch_size_count")
     one_request = _one_request_shuffled(client, TEXTS)
+    steps = embed_server.metric("samebits_embedding_batch_size_count") - steps_before
+    assert steps <= 3, f"32 texts of one request took {steps} engine steps"  # ~2600 tokens
     reference = [offline.embed([t])[0].outputs.embedding for t in TEXTS]
     assert len(reference[0]) == 384
     for name, got in [("concurrent", together), ("one request", one_request),
@@ -146,7 +153,7 @@ def test_base64_and_float_encodings_give_the_same_floats(embed_server, offline):
 
 
 def test_response_shape_usage_and_token_id_inputs(embed_server, offline):
-    ids = offline.embedder.tokenize(["hello world", "a second text"])
+    ids = embedding_inputs(offline.engine.loaded).tokenize(["hello world", "a second text"])
     body = dict(model=EMBED, input=ids, user="someone", dimensions=384)
     r = httpx.post(f"{embed_server.url}/v1/embeddings", json=body, headers=embed_server.headers,
                    timeout=60)
@@ -297,110 +304,106 @@ def test_embeddings_beside_a_generation_model(both_server, offline):
     both_server.wait_idle()
 
 
-class _FlakyEmbedder:
-    """Embeds a token-id list as [its length]; raises TypeError for the text "boom"."""
-
-    fingerprint, max_len = "fp_test", 8
-
-    def tokenize(self, inputs, truncate=False):
-        if "boom" in inputs:
-            raise TypeError("tokenizer crashed")
-        if "bad" in inputs:
-            raise ValueError("input 0 has 9 tokens, over the model's limit of 8 tokens; "
-                             "shorten it or pass truncate=True")
-        return [[1] * len(t) for t in inputs]
-
-    def embed_outputs(self, ids):
-        return [EmbeddingOutput([float(len(i))], i) for i in ids]
+TINY_BERT = {"architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "max_position_embeddings": 40}
 
 
-def test_embedding_worker_survives_failures():
-    svc = EmbeddingService(_FlakyEmbedder(), EMBED, Metrics(EMBED, "fp_test", True))
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> LLMEngine:
+    """A one-layer BERT of dummy weights whose steps take at least 20 ms, at most 4 inputs each."""
+    path = tmp_path_factory.mktemp("tiny-bert") / "config.json"
+    path.write_text(json.dumps(TINY_BERT))
+    engine = LLMEngine(EngineConfig(model=str(path), task="embed", load_format="dummy",
+                                    max_num_seqs=4))
+    run = engine.runner.run
 
-    async def run():
-        svc.start()
-        try:
-            with pytest.raises(APIError) as crash:
-                await svc.embed(["boom"], False)
-            with pytest.raises(APIError) as bad:
-                await svc.embed(["bad"], False)
-            results = await asyncio.gather(*(svc.embed(["x" * n], False) for n in range(1, 9)))
-            return crash.value, bad.value, results
-        finally:
-            svc.stop()
-
-    crash, bad, results = asyncio.run(run())
-    assert (crash.status, bad.status, bad.code) == (500, 400, "context_length_exceeded")
-    assert '"truncate": true' in bad.message
-    assert [r[0].embedding for r in results] == [[float(n)] for n in range(1, 9)]
-    assert svc.metrics.embedding_batch_size._sum.get() == 8  # failed requests embed nothing
+    def slow_run(batch):
+        time.sleep(0.02)
+        return run(batch)
+    engine.runner.run = slow_run
+    return engine
 
 
-class _CountingEmbedder:
-    """Records each embedder call's inputs (input i of job j is the id list [j, i])."""
+class _Leaving:
+    """A client that disconnects after ``after`` seconds (the ASGI ``receive`` of its request)."""
 
-    def __init__(self, delay: float = 0.0) -> None:
-        self.calls: list[list[list[int]]] = []
-        self.delay = delay
+    def __init__(self, after: float) -> None:
+        self.after = after
 
-    def tokenize(self, inputs, truncate=False):
-        return [list(i) for i in inputs]
-
-    def embed_outputs(self, ids):
-        time.sleep(self.delay)
-        self.calls.append(ids)
-        return [EmbeddingOutput([float(i[0]), float(i[1])], i) for i in ids]
+    async def receive(self) -> dict:
+        await asyncio.sleep(self.after)
+        return {"type": "http.disconnect"}
 
 
-def _service(embedder, batch: int = 4) -> EmbeddingService:
-    return EmbeddingService(embedder, EMBED, Metrics(EMBED, "fp_test", True), max_batch_inputs=batch)
-
-
-def test_large_request_is_split_and_shares_each_call_round_robin():
-    fake = _CountingEmbedder(delay=0.05)
-    svc = _service(fake, batch=4)
+def _in_loop(engine: LLMEngine, body):
+    """Run ``body(ctx)`` on an embedding context over ``engine`` with its engine loop running."""
+    ctx = EmbeddingContext.serve(engine, "tiny", Metrics("tiny", engine.fingerprint, True))
 
     async def run():
-        svc.start()
+        ctx.engine.start()
         try:
-            big = asyncio.ensure_future(svc.embed([[0, i] for i in range(40)], False))
-            await asyncio.sleep(0.12)  # the big request is being embedded
-            small = await svc.embed([[1, 0]], False)
-            return small, len(fake.calls), await big
+            return await body(ctx)
         finally:
-            svc.stop()
-
-    small, calls_when_small_done, big = asyncio.run(run())
-    assert small[0].embedding == [1.0, 0.0]
-    assert [o.embedding for o in big] == [[0.0, float(i)] for i in range(40)]  # order kept
-    assert all(len(c) <= 4 for c in fake.calls)
-    assert calls_when_small_done <= 4  # waited about one call, not the 10 of the big request
-    shared = next(c for c in fake.calls if [1, 0] in c)
-    assert [0, 0] not in shared and any(i[0] == 0 for i in shared)  # interleaved with the big one
+            ctx.engine.stop()
+    return asyncio.run(run()), ctx
 
 
-def test_abandoned_request_stops_within_one_call():
-    fake = _CountingEmbedder(delay=0.05)
-    svc = _service(fake, batch=4)
+def test_large_request_is_sliced_and_a_small_one_waits_about_a_step(tiny_engine):
+    big_ids = [[1, 2 + i % 90, 3] for i in range(40)]
 
-    async def run():
-        svc.start()
-        try:
-            gone = asyncio.get_running_loop().create_future()
-            job = asyncio.ensure_future(svc.embed([[0, i] for i in range(400)], False, gone))
-            await asyncio.sleep(0.2)
-            gone.set_result(None)  # the client disconnected
-            with pytest.raises(APIError) as left:
-                await job
-            calls = len(fake.calls)
-            await asyncio.sleep(0.5)
-            return left.value, calls, len(fake.calls)
-        finally:
-            svc.stop()
+    async def body(ctx):
+        big = asyncio.ensure_future(embed_ids(ctx, big_ids))
+        await asyncio.sleep(0.1)  # the big request is running
+        small = await embed_ids(ctx, [[5, 6, 7]])
+        return big.done(), small, await big
 
-    left, calls_at_cancel, calls_later = asyncio.run(run())
+    (big_done_first, small, big), ctx = _in_loop(tiny_engine, body)
+    assert not big_done_first, "the small request waited for all of the big one"
+    offline = [tiny_engine_alone(tiny_engine, ids) for ids in (big_ids[0], big_ids[39], [5, 6, 7])]
+    assert [big[0], big[39], small[0]] == offline  # in order, each as alone
+    assert ctx.metrics.embedding_inputs._value.get() == 41
+
+
+def tiny_engine_alone(engine: LLMEngine, ids: list[int]) -> list[float]:
+    seq = engine.add_request("alone", ids, PoolingParams())
+    list(engine.run_to_completion())
+    return seq.embedding
+
+
+def test_abandoned_request_stops_within_a_step(tiny_engine):
+    async def body(ctx):
+        with pytest.raises(APIError) as left:
+            await embed_ids(ctx, [[1, 2, 3]] * 400, _Leaving(0.3))
+        at_cancel = ctx.metrics.embedding_inputs._value.get()
+        await asyncio.sleep(0.5)
+        return left.value, at_cancel
+
+    (left, at_cancel), ctx = _in_loop(tiny_engine, body)
+    later = ctx.metrics.embedding_inputs._value.get()
     assert left.status == 499
-    assert calls_later <= calls_at_cancel + 1 and calls_later < 100
+    assert later <= at_cancel + 4 and later < 400  # at most the step that was running
+    assert not tiny_engine.has_unfinished()
+
+
+def test_a_failed_step_fails_its_requests_and_the_embedding_engine_reports_it(tmp_path,
+                                                                               monkeypatch):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_BERT))
+    engine = LLMEngine(EngineConfig(model=str(path), task="embed", load_format="dummy"))
+
+    def crash(batch):
+        raise RuntimeError("kernel crashed")
+
+    async def body(ctx):
+        monkeypatch.setattr(engine.runner, "run", crash)
+        with pytest.raises(APIError) as failed:
+            await embed_ids(ctx, [[1, 2, 3], [4, 5]])
+        return failed.value, ctx.engine.error
+
+    (failed, error), _ = _in_loop(engine, body)
+    assert failed.status == 500  # the caller is answered, never left waiting
+    assert error is not None and "RuntimeError" in error  # /health and new work: 503
 
 
 def test_disconnected_client_stops_the_embedding_and_is_not_a_success(embed_server):
@@ -417,7 +420,8 @@ def test_disconnected_client_stops_the_embedding_and_is_not_a_success(embed_serv
     noticed = inputs_done()
     time.sleep(3)  # a batch already running when it noticed may still finish (on a loaded CI box)
     stopped_at = inputs_done()
-    assert stopped_at - noticed <= MAX_BATCH_INPUTS, "the abandoned request kept using the CPU"
+    assert stopped_at - noticed <= EngineConfig().max_num_seqs, (
+        "the abandoned request kept using the CPU")
     time.sleep(3)
     assert inputs_done() == stopped_at, "the abandoned request kept using the CPU"
     assert stopped_at - before < 2048

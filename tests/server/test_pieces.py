@@ -45,20 +45,34 @@ def _group(prompts, params, n):
 @pytest.mark.parametrize("body,param", [
     ('{"prompt": "a", "max_tokens": "3"}', "max_tokens"),
     ('{"prompt": "a", "n": 65}', "n"),
-    ('{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),
-    ('{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
     ('{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias"),
-    ('{"prompt": "a", "logit_bias": {"5": 101}}', "logit_bias"),
-    ('{"prompt": "a", "n": 3, "best_of": 2}', "best_of"),
-    ('{"prompt": "a", "min_tokens": -1}', "min_tokens"),
     ('{"prompt": "a", "suffix": "b"}', "suffix"),
-    ('{"prompt": "a", "seed": 9223372036854775808}', "seed"),
+    ('{"prompt": "a", "stream_options": {"include_usage": true}}', "stream_options"),
     ('{"prompt": "a"', None),
 ])
-def test_validation_errors_name_the_field(body, param):
+def test_wire_errors_name_the_field(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate_json(body)
     err = from_validation_error(e.value)
+    assert (err.status, err.param) == (400, param)
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"prompt": "a", "presence_penalty": 2.5}', "presence_penalty"),
+    ('{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
+    ('{"prompt": "a", "logit_bias": {"5": 101}}', "logit_bias"),
+    ('{"prompt": "a", "n": 3, "best_of": 2}', "best_of"),
+    ('{"prompt": "a", "min_tokens": -1}', "min_tokens"),
+    ('{"prompt": "a", "seed": 9223372036854775808}', "seed"),
+    ('{"prompt": "a", "allowed_token_ids": []}', "allowed_token_ids"),
+    ('{"prompt": "a", "truncate_prompt_tokens": -2}', "truncate_prompt_tokens"),
+])
+def test_range_errors_are_sampling_params_and_name_the_field(body, param):
+    """Ranges are checked once, by SamplingParams (the request parses)."""
+    req = CompletionRequest.model_validate_json(body)
+    with pytest.raises(ValueError) as e:
+        req.to_sampling_params(16, None)
+    err = from_value_error(e.value)
     assert (err.status, err.param) == (400, param)
 
 

@@ -38,7 +38,7 @@ def _rollout(llm: LLM):
                              ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
     return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs], \
-        [len(p) for p in PROMPTS], [torch.tensor(o.outputs[0].logprobs) for o in outs]
+        [len(p) for p in PROMPTS], [torch.tensor(o.outputs[0].token_logprobs) for o in outs]
 
 
 def _mismatches(tl: TrainableLM, seqs, starts, sampled, batch_sizes=(1, 8, 32)) -> int:
@@ -137,7 +137,7 @@ def qwen3_sampled(tmp_path_factory):
                                                 ignore_eos=True))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="sdpa", dtype=torch.float32).eval()
-    return hf, [(p, o.outputs[0].token_ids, torch.tensor(o.outputs[0].logprobs))
+    return hf, [(p, o.outputs[0].token_ids, torch.tensor(o.outputs[0].token_logprobs))
                 for p, o in zip(prompts, outs, strict=True)]
 
 

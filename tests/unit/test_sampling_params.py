@@ -6,6 +6,7 @@ import pytest
 
 from samebits import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from samebits.engine.fanout import choice_seed
+from samebits.sampling_params import GREEDY_BELOW
 
 INVALID = [
     ("max_tokens", 0),
@@ -111,9 +112,10 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
         assert getattr(params, key) == value
 
 
-def test_greedy_means_temperature_zero() -> None:
+def test_greedy_means_temperature_below_greedy_below() -> None:
     assert SamplingParams(temperature=0.0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=1e-45).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 def test_stop_strings_normalises_str_list_and_none() -> None:

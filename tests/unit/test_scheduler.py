@@ -350,3 +350,22 @@ def test_prefill_chunk_bounds_each_step_and_running_streams_decode_every_step(ch
 def test_prefill_chunk_default_is_the_step_budget() -> None:
     sched = _make(budget=32)
     assert sched.prefill_chunk == 32
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
+    """An encoder's scheduler: each prompt in one step (the prefill cap is the step budget), a
+    prompt that does not fit what is left waits for the next step, in arrival order."""
+    kv = KVCacheManager(64, 16, False, "fp")
+    sched = Scheduler(8, 100, kv, long_prefill_token_threshold=16, chunked_prefill=False)
+    seqs = [_seq("a", 60, 1), _seq("b", 50, 1), _seq("c", 30, 1)]
+    for s in seqs:
+        sched.add(s)
+    steps = []
+    while sched.waiting:
+        batch = sched.schedule()
+        _check_step(sched, batch)
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens,
+                                                         strict=True)])
+        for s in batch.seqs:
+            sched.finish(s, "length")
+    assert steps == [[("a", 60)], [("b", 50), ("c", 30)]]

@@ -77,17 +77,21 @@ def _req(**kw) -> ChatCompletionRequest:
                                                  **kw})
 
 
+def _plan(req: ChatCompletionRequest) -> ToolPlan:
+    return tool_plan(req.tool_list(), req.tool_choice_value())
+
+
 def test_tool_choice_plans_and_errors_name_the_field():
-    assert tool_plan(_req()).mode == "none"
-    assert tool_plan(_req(tools=[TOOL])).mode == "auto"
-    named = tool_plan(_req(tools=[TOOL], tool_choice={"type": "function",
+    assert _plan(_req()).mode == "none"
+    assert _plan(_req(tools=[TOOL])).mode == "auto"
+    named = _plan(_req(tools=[TOOL], tool_choice={"type": "function",
                                                        "function": {"name": "get_weather"}}))
     assert named.constraint.json == TOOL["function"]["parameters"]
-    assert tool_plan(_req(tools=[TOOL], tool_choice="required")).constraint.json["type"] == "array"
+    assert _plan(_req(tools=[TOOL], tool_choice="required")).constraint.json["type"] == "array"
     for bad in [dict(tool_choice="required"),
                 dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}})]:
         with pytest.raises(APIError) as e:
-            tool_plan(_req(**bad))
+            _plan(_req(**bad))
         assert e.value.param == "tool_choice"
 
 

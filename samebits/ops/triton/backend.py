@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from samebits.ops import encoder_cuda
 from samebits.ops.backend import AttentionMetadata, KBounds, register
+from samebits.ops.encoder import InvariantEncoderOps
 from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
 
@@ -35,7 +37,7 @@ def _arithmetic_digest() -> str:
 
 
 @register("cuda", True)
-class TritonBackend:
+class TritonBackend(InvariantEncoderOps):
     # enters the numerics fingerprint (prefix-cache keys): derived from the kernels' sources
     name = f"triton-cuda|{_arithmetic_digest()}"
     batch_invariant = True
@@ -105,3 +107,7 @@ class TritonBackend:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return attention.attention(q, k_cache, v_cache, meta, scale)
+
+    # encoder attention: fixed-shape torch products (samebits.ops.encoder_cuda)
+    plan_encoder = staticmethod(encoder_cuda.plan_encoder)
+    encoder_attention = staticmethod(encoder_cuda.encoder_attention)

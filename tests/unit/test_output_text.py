@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from samebits.engine.output_processor import OutputText
 from samebits.sampling_params import SamplingParams
+from samebits.text.output_text import OutputText
 
 
 class CharTokenizer:
