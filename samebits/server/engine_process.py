@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import pickle
 import queue
 import signal
@@ -76,6 +77,9 @@ class EngineProcess:
                                         name="samebits-engine-core")
         self._process.start()
         child.close()
+        # at exit, before multiprocessing joins its children: close the pipe, so the process
+        # (however far it got) reads Stop and exits instead of being waited for forever
+        self._close = mp_util.Finalize(self, self._conn.close, exitpriority=10)
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         info = self._handshake()
@@ -142,7 +146,7 @@ class EngineProcess:
             self._process.join()
         if self._reader is not None:
             self._reader.join(timeout)
-        self._conn.close()
+        self._close()
 
 
 class _PipeInbox:

@@ -1,6 +1,7 @@
 """The engine core in a process of its own: the same bits and results as the core on a thread, a
-start-up failure raised in the server as the engine raised it, a departed stream aborted, and the
-process gone when the server stops (SIGTERM) or dies (``kill -9``)."""
+start-up failure raised in the server as the engine raised it, a departed stream aborted, weights
+swapped through the pipe, and the process gone when the server stops (SIGTERM), dies
+(``kill -9``) or fails before it serves."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from samebits.config import EngineConfig, ModelFormatError
 from samebits.engine.engine import LLMEngine
@@ -90,9 +95,50 @@ def test_departed_stream_is_aborted_in_the_engine_process(server: Server):
     assert server.metric("samebits_engine_requests_finished_total", reason="abort") == before + 1
 
 
-def _serve_tiny(config_path: str) -> Iterator[Server]:
+def test_a_server_failing_after_the_engine_started_exits_without_waiting_for_it(config_path,
+                                                                            tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "from samebits.config import EngineConfig\n"
+        "from samebits.server.engine_process import EngineProcess\n"
+        "if __name__ == '__main__':\n"
+        f"    EngineProcess(EngineConfig({config_path!r}, load_format='dummy', num_kv_blocks=32))\n"
+        "    raise SystemExit('the app failed to build')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "the app failed to build" in done.stderr
+
+
+def _serve_tiny(config_path: str, *extra: str, api_key: str | None = None) -> Iterator[Server]:
     return start_server("--model", config_path, "--load-format", "dummy", "--num-kv-blocks", "32",
-                        "--canary-rate", "0", max_model_len=None)
+                        "--canary-rate", "0", *extra, api_key=api_key, max_model_len=None)
+
+
+def test_weights_are_swapped_in_the_engine_process(config_path, tmp_path):
+    (tmp_path / "norm").mkdir()
+    save_file({"model.norm.weight": torch.full((CONFIG["hidden_size"],), 1.7)},
+              str(tmp_path / "norm" / "model.safetensors"))
+    servers = _serve_tiny(config_path, "--enable-weight-updates", "--weight-update-root",
+                          str(tmp_path), api_key="k-1")
+    server = next(servers)
+    try:
+        def complete() -> dict:
+            body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "logprobs": 0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+        before = complete()
+        r = httpx.post(f"{server.url}/v1/update_weights", json={"path": "norm"},
+                       headers=server.headers, timeout=60)
+        assert r.status_code == 200, r.text
+        after = complete()
+        assert after["system_fingerprint"] == r.json()["system_fingerprint"]
+        assert after["system_fingerprint"] != before["system_fingerprint"]
+        assert after["choices"][0]["logprobs"] != before["choices"][0]["logprobs"]
+    finally:
+        servers.close()
 
 
 def _engine_pid(server: Server) -> int:
