@@ -111,7 +111,7 @@ def _free_port() -> int:
 
 def start_server(engine_args: list[str]) -> tuple[subprocess.Popen, str, str]:
     port = _free_port()
-    args = [sys.executable, "-m", "samebits.cli", "serve", "--host", "127.0.0.1", "--port",
+    args = [sys.executable, "-m", "samebits", "serve", "--host", "127.0.0.1", "--port",
             str(port), "--log-level", "warning", "--canary-rate", "0", *engine_args]
     log = tempfile.NamedTemporaryFile("w", prefix="samebits-svo-", suffix=".log", delete=False)
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
