@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing as mp
 import os
 import random
 import socket
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -89,7 +91,7 @@ def _cpu_s() -> float:
 
 
 def _hash(out) -> str:
-    return output_hash([(out.token_ids, out.logprobs)])
+    return output_hash([(out.token_ids, out.token_logprobs)])
 
 
 def offline_ttft_ms(llm: LLM, prompts: list[list[int]]) -> float:
@@ -161,42 +163,73 @@ async def _post(http: httpx.AsyncClient, body: dict) -> tuple[int, str, float]:
     return tokens, digest, first
 
 
-async def _served(url: str, model: str, load: Load, stream: bool) -> tuple[float, list, list]:
-    todo = list(enumerate(load.prompts))
-    hashes: list[str] = [""] * len(todo)
-    firsts: list[float] = []
-    total = 0
+async def _served(url: str, model: str, items: list[tuple[int, list[int]]], max_tokens: int,
+                  concurrency: int, stream: bool, start_at: float
+                  ) -> tuple[int, dict[int, str], list[float], float]:
+    """``concurrency`` closed-loop clients over ``items`` (index, prompt) from ``start_at``
+    (time.monotonic): (tokens, output hash by index, seconds to each first token, end time)."""
+    todo, hashes, firsts, total = list(items), {}, [], 0
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal total
         while todo:
             i, prompt = todo.pop(0)
-            n, hashes[i], first = await _post(http, _body(model, prompt, load.max_tokens, stream))
+            n, hashes[i], first = await _post(http, _body(model, prompt, max_tokens, stream))
             total += n
             firsts.append(first)
 
-    limits = httpx.Limits(max_connections=load.concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(load.concurrency)))
-        wall = time.perf_counter() - t0
-    return total / wall, hashes, firsts
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    return total, hashes, firsts, time.monotonic()
 
 
-def served_run(url: str, model: str, load: Load, stream: bool, pid: int | None = None
-               ) -> tuple[float, list[str], dict]:
+def _clients(*args) -> tuple[int, dict[int, str], list[float], float]:
+    return asyncio.run(_served(*args))
+
+
+_POOL: list[ProcessPoolExecutor] = []  # client processes, started once
+
+
+def _run_clients(url: str, model: str, load: Load, stream: bool, processes: int
+                 ) -> tuple[float, list[str], list[float]]:
+    """(tok/s, output hash per prompt, seconds to each first token) of the load sent by
+    ``processes`` client processes (one: this process), each a share of the prompts and of the
+    concurrency, all starting at once."""
+    items = list(enumerate(load.prompts))
+    shares = [(items[k::processes], load.concurrency // processes
+               + (k < load.concurrency % processes)) for k in range(processes)]
+    shares = [(s, c) for s, c in shares if s and c]
+    start_at = time.monotonic() + (0.3 if len(shares) > 1 else 0.0)
+    args = [(url, model, s, load.max_tokens, c, stream, start_at) for s, c in shares]
+    if len(args) == 1:
+        results = [_clients(*args[0])]
+    else:
+        if not _POOL:
+            _POOL.append(ProcessPoolExecutor(processes, mp.get_context("spawn")))
+        results = list(_POOL[0].map(_clients, *zip(*args, strict=True)))
+    hashes: dict[int, str] = {}
+    for r in results:
+        hashes.update(r[1])
+    wall = max(r[3] for r in results) - start_at
+    return (sum(r[0] for r in results) / wall, [hashes[i] for i in range(len(items))],
+            [f for r in results for f in r[2]])
+
+
+def served_run(url: str, model: str, load: Load, stream: bool, pid: int | None = None,
+               processes: int = 1) -> tuple[float, list[str], dict]:
     """(generated tok/s, output hash per request, diagnostics) of one served run; ``pid``: the
     server's, for its engine steps and CPU seconds."""
     before = _server_state(url, pid)
-    rate, hashes, _ = asyncio.run(_served(url, model, load, stream))
+    rate, hashes, _ = _run_clients(url, model, load, stream, processes)
     after = _server_state(url, pid)
     diag = {k: round(after[k] - before[k], 2) for k in before}
     return rate, hashes, diag
 
 
 def served_ttft_ms(url: str, model: str, prompts: list[list[int]]) -> float:
-    one = Load(prompts, 16, 1)
-    _, _, firsts = asyncio.run(_served(url, model, one, stream=True))
+    _, _, firsts = _run_clients(url, model, Load(prompts, 16, 1), True, 1)
     return statistics.median(firsts) * 1e3
 
 
@@ -264,8 +297,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> None:
 def _compare(args, mode: str, llm: LLM, url: str, model: str, vocab: int, pid: int) -> None:
     warm = Load(_prompts(args.concurrency, args.prompt_len, vocab, 1), 8, args.concurrency)
     offline_run(llm, warm)
-    served_run(url, model, warm, False)
-    served_run(url, model, warm, True)
+    served_run(url, model, warm, False, processes=args.client_processes)  # starts the clients
+    served_run(url, model, warm, True, processes=args.client_processes)
     best = {"offline": 0.0, "served": 0.0, "served_stream": 0.0}
     ttft = {"offline": math.inf, "served": math.inf}
     for r in range(args.rounds):
@@ -275,7 +308,7 @@ def _compare(args, mode: str, llm: LLM, url: str, model: str, vocab: int, pid: i
         best["offline"] = max(best["offline"], rate)
         _emit(mode=mode, run="offline", round=r, tok_s=round(rate, 1), **diag)
         for key, stream in (("served", False), ("served_stream", True)):
-            rate, got, diag = served_run(url, model, load, stream, pid)
+            rate, got, diag = served_run(url, model, load, stream, pid, args.client_processes)
             best[key] = max(best[key], rate)
             _emit(mode=mode, run=key, round=r, tok_s=round(rate, 1),
                   bits_equal_offline=got == expected, **diag)
@@ -315,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="default: 64 (CPU), 256 (CUDA)")
     p.add_argument("--concurrency", type=int, default=None, help="default: 8 (CPU), 64 (CUDA)")
     p.add_argument("--ttft-requests", type=int, default=8)
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="processes the clients are spread over, so that parsing the responses "
+                   "never limits what is measured; default: 1 (CPU), 4 (CUDA)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["invariant", "standard"],
                    choices=["invariant", "standard"])
@@ -324,12 +360,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     for name, cpu, gpu in (("requests", 32, 128), ("prompt_len", 128, 512),
-                           ("max_tokens", 64, 256), ("concurrency", 8, 64)):
+                           ("max_tokens", 64, 256), ("concurrency", 8, 64),
+                           ("client_processes", 1, 4)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     _emit(config={k: v for k, v in vars(args).items()})
-    for mode in args.modes:
-        run_mode(args, mode)
+    try:
+        for mode in args.modes:
+            run_mode(args, mode)
+    finally:
+        for pool in _POOL:
+            pool.shutdown()
 
 
 if __name__ == "__main__":
