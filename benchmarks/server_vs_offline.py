@@ -7,16 +7,17 @@
 The load: ``--requests`` prompts of ``--prompt-len`` random token ids, greedy, ``ignore_eos``,
 ``--max-tokens`` new tokens each. Offline, ``LLM.generate`` runs them all in one call; served, a
 ``samebits serve`` subprocess with the same engine options gets them from ``--concurrency``
-closed-loop httpx clients (``/v1/completions``, token-id prompts), non-streamed and streamed (SSE,
-one chunk per token). Both engines run at most ``--concurrency`` sequences per step
-(``max_num_seqs``) with the same KV cache, so they run the same batches; rounds alternate the
-three runs and each figure is the best round (a busy host only slows a run down). Every served
-output's ``X-Samebits-Output-Hash`` (or the stream's ``output_hash``) must equal the offline one.
+closed-loop httpx clients (``/v1/completions``, token-id prompts; spread over
+``--client-processes``), non-streamed and streamed (SSE, one chunk per token). Both engines run
+at most ``--concurrency`` sequences per step (``max_num_seqs``) with the same KV cache and no
+prefix caching, so they run the same batches; rounds alternate the three runs and each figure is
+the best round (a busy host only slows a run down). Every served output's
+``X-Samebits-Output-Hash`` (or the stream's ``output_hash``) must equal the offline one.
 
-Time to first token: one request at a time (``--ttft-requests`` fresh prompts, so no prefix-cache
-hit), offline ``LLM.generate`` with ``max_tokens=1`` against the first SSE chunk of a streamed
-request of 16 tokens (the engine goes on stepping while the chunk is sent); the median per round,
-the best round.
+Time to first token: one request at a time (``--ttft-requests`` fresh prompts), offline
+``LLM.generate`` with ``max_tokens=1`` against the first SSE chunk of a streamed request of 16
+tokens (the engine goes on stepping while the chunk is sent); the median per round, the best
+round.
 
 Where the time goes: each run's line also gives the engine steps it took and the CPU seconds
 spent (offline: this process; served: the server's processes, the event loop's and the engine's
@@ -265,16 +266,19 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def engine_options(args: argparse.Namespace, kv_blocks: int) -> dict:
-    """The engine both sides run: ``--concurrency`` sequences per step, the same KV cache."""
+    """The engine both sides run: ``--concurrency`` sequences per step, the same KV cache, no
+    prefix caching (the three runs of a round send the same prompts; none may find them cached)."""
     return dict(model=args.model, load_format=args.load_format, device=args.device,
                 max_num_seqs=args.concurrency, num_kv_blocks=kv_blocks,
-                max_model_len=args.prompt_len + args.max_tokens + 16)
+                max_model_len=args.prompt_len + args.max_tokens + 16,
+                enable_prefix_caching=False)
 
 
 def server_args(opts: dict, standard: bool, extra: Sequence[str] = ()) -> list[str]:
     out = ["--device", opts["device"], "--load-format", opts["load_format"],
            "--max-num-seqs", str(opts["max_num_seqs"]), "--num-kv-blocks",
-           str(opts["num_kv_blocks"]), "--max-model-len", str(opts["max_model_len"])]
+           str(opts["num_kv_blocks"]), "--max-model-len", str(opts["max_model_len"]),
+           "--no-prefix-caching"]
     if opts["model"] is not None:
         out += ["--model", opts["model"]]
     return out + (["--standard"] if standard else []) + list(extra)
