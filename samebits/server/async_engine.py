@@ -213,7 +213,7 @@ class AsyncEngine:
         self._check_running()
         call_id, done = next(self._ids), self._loop.create_future()
         self._updates[call_id] = done
-        await asyncio.to_thread(self._core.send, UpdateWeights(call_id, tensors))  # may be large
+        self._core.send(UpdateWeights(call_id, tensors))
         return await done
 
     def _reserve(self, n: int) -> None:

@@ -6,7 +6,9 @@ the HTTP side needs of it (``EngineInfo``: config, fingerprint, context length, 
 tokenizer); the handle exposes those as attributes, so the app reads them as it would read an
 ``LLMEngine``'s. ``start`` begins the core's loop (samebits.server.engine_core) and a reader
 thread that hands each ``CoreOutputs`` to a callback; commands go over the same duplex pipe,
-pickled. Tokenization, chat templates, streaming and JSON stay in the server process.
+pickled and written by a thread of their own, in order, so the event loop never waits for the
+pipe (a long prompt, or weights being swapped in). Tokenization, chat templates, streaming and
+JSON stay in the server process.
 
 Lifetime: the process ignores SIGINT and SIGTERM (the server decides when it stops: it drains,
 then sends ``Stop``); it exits when told to or when its pipe closes (the server is gone, even by
@@ -80,9 +82,9 @@ class EngineProcess:
         # at exit, before multiprocessing joins its children: close the pipe, so the process
         # (however far it got) reads Stop and exits instead of being waited for forever
         self._close = mp_util.Finalize(self, self._conn.close, exitpriority=10)
-        self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         info = self._handshake()
+        self._outbox = _Outbox(self._conn, "samebits-engine-commands")
         self.config, self.fingerprint = info.config, info.fingerprint
         self.max_model_len, self.kv_blocks_total = info.max_model_len, info.kv_blocks_total
         self.tokenizer, self.model_bytes = info.tokenizer, info.model_bytes
@@ -121,13 +123,9 @@ class EngineProcess:
             deliver(None)
 
     def send(self, command: Any) -> None:
-        """Send a command (any thread); ``RuntimeError`` once the process is gone."""
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            try:
-                self._conn.send_bytes(data)
-            except OSError:
-                raise RuntimeError("the engine process is not running") from None
+        """Queue a command for the process (any thread; commands arrive in order). Once the
+        process is gone they are dropped: the reader has then said so (``deliver(None)``)."""
+        self._outbox.put(command)
 
     @property
     def alive(self) -> bool:
@@ -135,10 +133,8 @@ class EngineProcess:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the core (what runs or waits fails), wait for the process, kill it if it hangs."""
-        try:
-            self.send(Stop())
-        except RuntimeError:
-            pass
+        self.send(Stop())
+        self._outbox.close()
         self._process.join(timeout)
         if self._process.is_alive():
             log.warning("the engine process did not stop in %g s; killing it", timeout)
@@ -178,22 +174,22 @@ def _send(conn: Connection, message: Any) -> None:
 
 
 class _Outbox:
-    """The core's outputs, pickled and sent by a thread of their own: the engine's loop hands
-    each ``CoreOutputs`` over and steps on (the pickling runs while the engine waits for the
-    device, as vLLM's output thread does). ``close`` sends what is left, then returns."""
+    """Messages pickled and sent, in order, by a thread of their own: whoever hands one over
+    goes on at once. The engine's loop hands over its ``CoreOutputs`` (the pickling runs while
+    the engine waits for the device, as vLLM's output thread does); the server its commands.
+    ``close`` sends what is left, then returns."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, name: str = "samebits-engine-outbox") -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(conn,),
-                                        name="samebits-engine-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=name, daemon=True)
         self._thread.start()
 
-    def put(self, outputs: CoreOutputs) -> None:
-        self._queue.put(outputs)
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
 
     def _run(self, conn: Connection) -> None:
-        while (outputs := self._queue.get()) is not None:
-            _send(conn, outputs)
+        while (message := self._queue.get()) is not None:
+            _send(conn, message)
 
     def close(self) -> None:
         self._queue.put(None)
