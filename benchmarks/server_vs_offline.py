@@ -77,7 +77,7 @@ def offline_run(llm: LLM, load: Load) -> tuple[float, list[str], dict]:
     llm.engine.step = counted
     cpu, t0 = _cpu_s(), time.perf_counter()
     try:
-        outs = llm.generate(load.prompts, params)
+        outs = llm.generate(load.prompts, params, use_tqdm=False)
     finally:
         del llm.engine.step
     wall = time.perf_counter() - t0
@@ -100,7 +100,7 @@ def offline_ttft_ms(llm: LLM, prompts: list[list[int]]) -> float:
     times = []
     for p in prompts:
         t0 = time.perf_counter()
-        llm.generate([p], params)
+        llm.generate([p], params, use_tqdm=False)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
