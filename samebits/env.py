@@ -45,3 +45,27 @@ def api_keys() -> list[str] | None:
     server refuses at startup (an empty key must never mean "no authentication")."""
     raw = os.environ.get("SAMEBITS_API_KEY")
     return None if raw is None else [k.strip() for k in raw.split(",")]
+
+
+def faulthandler_seconds() -> float | None:
+    """SAMEBITS_FAULTHANDLER_S: every tensor-parallel rank process (ranks 1..N-1) writes every
+    thread's stack to its stderr each that many seconds (``faulthandler``), to see where a
+    rank waits. None (off) when unset or empty."""
+    raw = os.environ.get("SAMEBITS_FAULTHANDLER_S")
+    if raw is None or raw == "":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"SAMEBITS_FAULTHANDLER_S={raw!r}: expected seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"SAMEBITS_FAULTHANDLER_S={raw!r}: expected seconds > 0")
+    return seconds
+
+
+def tp_trace_dir() -> Path | None:
+    """SAMEBITS_TP_TRACE: a directory where every tensor-parallel rank writes the collectives it
+    issues, in order, one JSON line each (``rank-R.jsonl``), to find where ranks diverge. None
+    (off) when unset or empty."""
+    raw = os.environ.get("SAMEBITS_TP_TRACE")
+    return Path(raw).expanduser() if raw else None

@@ -9,6 +9,9 @@ start is an error naming it, never a wait. Then the ranks join the process group
 runners together. A watcher thread follows the ranks' processes: when one dies (killed, or an
 exception), the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming
 the rank (gloo fails a collective whose peer closed its connection; an NCCL group is aborted).
+At shutdown the ranks are told to stop and leave the process group together with rank 0 (NCCL's
+close is collective over the node's ranks); a rank that died or never stops is killed and rank 0
+aborts its communicators, so shutting down never waits for ever either.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from typing import Any
 import torch
 
 from samebits.config import EngineConfig
-from samebits.distributed.group import TPGroup
+from samebits.distributed.group import CLOSE_TIMEOUT_S, TPGroup
 from samebits.engine.runner import ModelRunner
 from samebits.engine.worker import rank_main
 from samebits.loader import LoadedModel, load, rank_device
+from samebits.log import get_logger
 
 DEATH_GRACE_S = 5.0  # how long a failed collective waits for the watcher to name a dead rank
+JOIN_S = 10.0  # how long a stopped rank's process gets to exit before it is killed
+log = get_logger("engine")
 
 
 class RankFailedError(RuntimeError):
@@ -51,13 +57,20 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
     check_main_guard()
     ranks = Ranks(config)
     try:
-        group = TPGroup(0, config.tensor_parallel_size, rank_device(config, 0))
+        group = ranks.group = TPGroup(0, config.tensor_parallel_size, rank_device(config, 0))
+        if group.device.type == "cuda":  # as on every rank: its GPU is the current device
+            torch.cuda.set_device(group.device)
+        start = time.perf_counter()
         loaded = load(config, group)
         ranks.wait_ready()
+        log.info("tensor parallel: %d ranks loaded their shards in %.1f s", ranks.world,
+                 time.perf_counter() - start)
         group.connect(ranks.init_method)
-        ranks.watch(group)
+        ranks.watch()
+        log.info("tensor parallel: process group connected (%s)", group.backend)
         with ranks.guard():
             runner = ModelRunner(loaded, config, peers=ranks)
+        ranks.serving = True  # every rank built its runner and waits for rank 0's calls
     except BaseException:
         ranks.close()
         raise
@@ -73,8 +86,9 @@ class Ranks:
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.group: TPGroup | None = None
+        self.group: TPGroup | None = None  # rank 0's place in the group (``start_runner``)
         self.failure: str | None = None
+        self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
         self.pipes: dict[int, Connection] = {}
@@ -136,10 +150,9 @@ class Ranks:
                 error = text if kind == "error" else error
         return error
 
-    def watch(self, group: TPGroup) -> None:
+    def watch(self) -> None:
         """Follow the ranks' processes from a thread: the first to die unasked is recorded and
         the group aborted, so rank 0 never waits for it."""
-        self.group = group
         threading.Thread(target=self._watch, name="samebits-tp-watcher", daemon=True).start()
 
     def _watch(self) -> None:
@@ -175,21 +188,31 @@ class Ranks:
             raise
 
     def close(self) -> None:
-        """Stop the ranks and leave the process group (idempotent)."""
+        """Stop the ranks and leave the process group (idempotent). Ranks waiting for a call are
+        told to stop, and every rank closes the group at once (NCCL's close is collective: a
+        rank that waited for the others to exit first would wait for ever); ranks that died, or
+        that are mid-call (a start that failed), are killed and rank 0 aborts its side."""
         if self.closing:
             return
         self.closing = True
-        if self.group is not None and self.group.connected and self.failure is None:
+        group = self.group
+        together = (group is not None and group.connected and self.serving
+                    and self.failure is None)
+        if together:
             with contextlib.suppress(Exception):
-                self.group.broadcast_object(("stop", ()))
+                group.broadcast_object(("stop", ()))
+            together = group.close()
+            if not together:
+                log.warning("tensor parallel: the ranks did not close the process group "
+                            "together within %.0f s; stopping them", CLOSE_TIMEOUT_S)
         for proc in self.procs.values():
-            proc.join(10)
+            proc.join(JOIN_S if together else 0)
             if proc.is_alive():
                 proc.kill()
-                proc.join(5)
-        if self.group is not None:
+                proc.join(JOIN_S)
+        if group is not None and not together:
             with contextlib.suppress(Exception):
-                self.group.close()
+                group.discard()
 
 
 def _free_port() -> int:

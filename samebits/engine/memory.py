@@ -5,7 +5,9 @@ use now (this rank's weights, other processes) and the activations the runner wi
 (``KVBudget.reserved``: the peak of an eager prefill of ``max_num_batched_tokens`` with its
 sampling rows, and with CUDA graphs the graph pool), measured on a scratch cache just large
 enough, then freed. Under tensor parallel each rank measures on its own device (the
-measurements run every rank's forward together: they are collectives).
+measurements run every rank's forward together: they are collectives), and the ranks compare
+budgets before any raises, so a rank left without memory fails with the others, never alone
+while they wait for it.
 On CPU there is no device to fill: ``CPU_KV_CACHE_BYTES`` per rank, at most that share of the
 host memory available. ``kv_cache_memory_bytes`` overrides both.
 """
@@ -18,7 +20,10 @@ import torch
 
 from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
 from samebits.engine.cuda_graph import DecodeGraphs, batch_bucket
+from samebits.log import get_logger
 from samebits.ops.backend import AttentionMetadata
+
+log = get_logger("engine")
 
 
 class KVBudget:
@@ -39,6 +44,10 @@ class KVBudget:
         self.reserved = self._activation_reserve()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * util) - (total - free) - self.reserved
+        group = getattr(self.model, "group", None)
+        if group is not None and group.min_int(budget) <= 0 < budget:  # the ranks fail together
+            raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "
+                             "on another tensor-parallel rank (its error says why)")
         if budget <= 0:
             gib = 2 ** 30
             raise ValueError(
@@ -46,6 +55,8 @@ class KVBudget:
                 f"{self.device}: {util * total / gib:.1f} GiB allowed, {(total - free) / gib:.1f} "
                 f"GiB in use (weights, other processes), {self.reserved / gib:.1f} GiB for "
                 "activations and CUDA graphs; raise it or lower max_num_batched_tokens")
+        log.info("KV cache budget on %s: %.2f GiB (%.2f GiB kept for activations and graphs)",
+                 self.device, budget / 2 ** 30, self.reserved / 2 ** 30)
         return budget
 
     @torch.inference_mode()

@@ -2,48 +2,68 @@
 
 It loads only its shard, reports over its pipe that it is ready (or why it failed), joins the
 process group, builds its own runner (its own KV cache and CUDA graphs, sized on its own device)
-in step with rank 0's, then makes every call rank 0 announces until told to stop. It exits when
-rank 0's process goes away (a collective with it fails, or a thread sees it gone).
+in step with rank 0's, then makes every call rank 0 announces until told to stop; then it leaves
+the process group together with rank 0 (``TPGroup.close``: collective on NCCL) and exits. After
+an error, or when rank 0's process goes away (a collective with it fails, or a thread sees it
+gone), it reports and exits at once, without NCCL's teardown (which would wait for rank 0).
+``SAMEBITS_FAULTHANDLER_S`` makes it dump its stacks periodically (``samebits.env``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
+import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
 import torch
 
+from samebits import env
 from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup
 from samebits.engine.runner import ModelRunner
 from samebits.loader import load, rank_device
+from samebits.log import get_logger
+
+log = get_logger("engine")
 
 
 def rank_main(config: EngineConfig, rank: int, init_method: str, pipe: Connection,
               threads: int) -> None:
     """The process's entry point (spawned by ``executor.Ranks``)."""
     torch.set_num_threads(threads)
+    _dump_stacks_periodically()
     _exit_with_parent()
     try:
         group = TPGroup(rank, config.tensor_parallel_size, rank_device(config, rank))
         if group.device.type == "cuda":  # kernels, graph pools and events use the current one
             torch.cuda.set_device(group.device)
+        start = time.perf_counter()
         loaded = load(config, group)
     except BaseException as e:
         pipe.send(("error", f"{type(e).__name__}: {e}"))
         raise
     pipe.send(("ready", None))
+    log.info("tensor-parallel rank %d: loaded its shard in %.1f s", rank,
+             time.perf_counter() - start)
     try:
         group.connect(init_method)
-        serve(ModelRunner(loaded, config), group)
-    except BaseException as e:
-        pipe.send(("error", "".join(traceback.format_exception_only(e)).strip()))
-        raise
-    finally:
-        group.close()
+        runner = ModelRunner(loaded, config)
+        log.info("tensor-parallel rank %d: %d KV blocks, %d CUDA graphs; serving", rank,
+                 runner.num_blocks, 0 if runner.graphs is None else len(runner.graphs.graphs))
+        serve(runner, group)
+    except BaseException as e:  # noqa: BLE001 -- any failure: report it, then exit now
+        with contextlib.suppress(Exception):
+            pipe.send(("error", "".join(traceback.format_exception_only(e)).strip()))
+        traceback.print_exc()
+        _exit_now(1)
+    if not group.close():
+        _exit_now(1)
 
 
 def serve(runner: ModelRunner, group: TPGroup) -> None:
@@ -53,6 +73,21 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
         if op == "stop":
             return
         runner.follow(op, args)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (which would close NCCL, waiting for rank 0)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _dump_stacks_periodically() -> None:
+    seconds = env.faulthandler_seconds()
+    if seconds is not None:
+        faulthandler.enable()
+        faulthandler.dump_traceback_later(seconds, repeat=True)
 
 
 def _exit_with_parent() -> None:
