@@ -58,6 +58,17 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
     runner.shutdown()
 
 
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _print_lines(out: str | bytes | None) -> None:
+    """A stopped child's JSON lines (they are flushed as they are printed)."""
+    for line in _text(out).splitlines():
+        if line.startswith("{"):
+            print(line, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="benchmarks/configs/qwen3-8b.json")
@@ -66,6 +77,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--scale", type=float, default=1.0,
                    help="scale every workload's requests and lengths (a quick check on CPU)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds each size may take (start, workloads, shutdown) before it is "
+                        "stopped and reported as an error")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
     if args.one is not None:
@@ -76,7 +90,14 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
                "--one", str(tp)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                 timeout=args.timeout)
+        except subprocess.TimeoutExpired as e:  # the lines it printed, then the error
+            _print_lines(e.stdout)
+            print(json.dumps({"tp": tp, "error": f"no result within {args.timeout} s",
+                              "stderr": _text(e.stderr)[-2000:]}), flush=True)
+            continue
         if out.returncode:
             print(json.dumps({"tp": tp, "error": out.stderr.strip()[-2000:]}), flush=True)
             continue

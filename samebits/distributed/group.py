@@ -63,8 +63,7 @@ class TPGroup:
         if cuda:  # NCCL's objects and buffers live on the current device
             torch.cuda.set_device(self.device)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
-                                rank=self.rank, world_size=self.world_size, timeout=TIMEOUT,
-                                device_id=self.device if cuda else None)
+                                rank=self.rank, world_size=self.world_size, timeout=TIMEOUT)
         self.connected = True  # from here on, leaving needs ``close`` or ``discard``
         self.trace = _open_trace(self.rank)
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
@@ -168,6 +167,8 @@ class TPGroup:
 
         def destroy() -> None:
             try:
+                if self.device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
                 _destroy_process_group()
                 outcome.append(True)
             except Exception:  # noqa: BLE001 -- reported as not closed; the caller discards

@@ -101,6 +101,8 @@ class Ranks:
             self.pipes[rank] = mine
         for proc in self.procs.values():
             proc.start()
+        log.info("tensor parallel: spawned ranks 1..%d (pids %s)", self.world - 1,
+                 ", ".join(str(p.pid) for p in self.procs.values()))
 
     def wait_ready(self) -> None:
         """Until every rank loaded its shard; ``RankFailedError`` naming the first that failed

@@ -6,12 +6,16 @@ layers on their gathered-partials path), and of the default one-GPU engine where
 the segments too (``TritonBackend.row_parallel_segments``; strict xfail until then); a
 Qwen3-8B-shaped model starts at TP 2 with the default memory settings and each rank holds about
 half of its weights; the standard mode (an NCCL all-reduce of the partial sums) differs from its
-one-GPU bits (negative control); a killed rank makes ``generate`` raise naming it within 30 s.
+one-GPU bits (negative control); a killed rank makes ``generate`` raise naming it within 30 s;
+the two ranks issue the same NCCL and gloo collectives in the same order through start-up (KV
+profiling, graph capture), steps and shutdown, and at shutdown they close the group together
+(NCCL's finalize is collective), rank 1 exiting by itself within seconds.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import time
@@ -100,3 +104,22 @@ def test_killed_rank_raises_naming_it_within_30s():
         assert time.monotonic() - start < 30
     finally:
         llm.engine.runner.shutdown()
+
+
+def _trace(directory: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (directory / f"rank-{rank}.jsonl").read_text().splitlines()]
+
+
+def test_ranks_issue_the_same_collectives_and_close_the_group_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_TP_TRACE", str(tmp_path))  # read by both ranks at connect
+    llm = LLM(TINY, tensor_parallel_size=2, load_format="dummy", device="cuda",
+              dtype="bfloat16", max_num_seqs=4, max_model_len=512, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, ignore_eos=True))
+    rank_1, start = runner.peers.procs[1], time.monotonic()
+    runner.shutdown()
+    assert time.monotonic() - start < 10 and rank_1.exitcode == 0
+    rank_0 = _trace(tmp_path, 0)
+    assert rank_0 == _trace(tmp_path, 1)
+    ops = {e["op"] for e in rank_0}
+    assert {"broadcast_object:replay", "broadcast_tensor", "all_gather", "min_int"} <= ops

@@ -1,0 +1,258 @@
+"""Tensor parallel, phase by phase, within a wall budget: where a TP 2 engine's start, first step,
+decode or shutdown stalls, and whether its greedy tokens equal TP 1's. JSON lines, flushed.
+
+    python benchmarks/tp_smoke.py --out "$OUT" 2> "$OUT/stderr.txt"      # 2 GPUs (NCCL)
+    python benchmarks/tp_smoke.py --device cpu                            # the same on gloo
+
+A line per phase, each with ``t`` (seconds since start):
+- ``env``: torch, NCCL, the GPUs, the NCCL variables in force (NCCL_DEBUG defaults to WARN).
+- ``group``: two spawned processes join a ``TPGroup`` alone (tcp rendezvous, its connect check:
+  an all_gather on the device and a gloo reduction), broadcast an object and a device tensor and
+  close the group together: the transport without the engine.
+- ``spawned``, ``loaded``, ``connected``, ``kv_budget``, ``graphs``: the TP 2 engine's start, read
+  from its log records (``kv_budget`` and ``graphs`` on CUDA only); ``ready``: ``LLM(...)`` returned
+  (its warm-up done), with each rank's KV blocks and graphs.
+- ``first_step`` (one token: a prefill and its sampling), ``tokens`` (8 greedy tokens of 2 prompts:
+  CUDA-graph decode steps and steps launched ahead), ``closed`` (shutdown: seconds, rank 1's exit
+  code, 0 when it closed the group with rank 0).
+- ``trace``: the collectives each rank issued (``SAMEBITS_TP_TRACE``), their counts and the first
+  index where the ranks' sequences differ (null: none).
+- ``tp1`` and ``tp1_segmented``, then ``bits``: TP 2 against one device -- the default engine, and
+  the engine with its row-parallel layers on the gathered segmented path (TP 2's arithmetic on one
+  device; the tensors are compared with ``==`` on token ids and logprobs). On CUDA the default
+  engine keeps one K chain (``TritonBackend.row_parallel_segments`` False), so ``equal_to_tp1`` is
+  expected false there and ``equal_to_tp1_segmented`` true.
+
+Watchdog: every process dumps its threads' stacks to stderr every ``--dump-every`` seconds (rank
+1 through ``SAMEBITS_FAULTHANDLER_S``); at ``--budget`` seconds the script prints a ``watchdog``
+line (the last phase, each rank's last collective), dumps the stacks, kills the ranks and exits 3;
+faulthandler's own timer exits 1 a few seconds later should the interpreter be stuck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import functools
+import gc
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+CONFIG = Path(__file__).parent / "configs" / "qwen3-tiny.json"
+PROMPTS = [[3] * 5, [(7 * j) % 8000 + 1 for j in range(40)]]
+START = time.monotonic()
+LAST = {"phase": "start"}
+OUT: Path | None = None
+# engine log records that mark a phase of the TP 2 start (rank 0's process)
+LOG_PHASES = {"tensor parallel: spawned": "spawned", "tensor parallel: 2 ranks loaded": "loaded",
+              "tensor parallel: process group connected": "connected",
+              "KV cache budget on": "kv_budget", "captured ": "graphs"}
+
+
+def emit(phase: str, **fields) -> None:
+    LAST["phase"] = phase
+    line = json.dumps({"phase": phase, "t": round(time.monotonic() - START, 1), **fields})
+    print(line, flush=True)
+    if OUT is not None:
+        with open(OUT / "tp_smoke.jsonl", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+class PhaseLog(logging.Handler):
+    """The engine's log records that mark a start phase, as phase lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for prefix, phase in LOG_PHASES.items():
+            if message.startswith(prefix):
+                emit(phase, log=message)
+
+
+def arm_watchdog(budget: float, dump_every: float, trace_dirs: list[Path]) -> None:
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(budget + 5, exit=True)  # needs no interpreter
+
+    def periodic() -> None:
+        while True:
+            time.sleep(dump_every)
+            print(f"--- rank 0 stacks at {time.monotonic() - START:.0f} s ---", file=sys.stderr,
+                  flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+
+    def deadline() -> None:
+        time.sleep(budget)
+        emit("watchdog", budget_s=budget, last_phase=LAST["phase"],
+             last_collectives={str(d.name): _trace_tails(d) for d in trace_dirs})
+        faulthandler.dump_traceback(all_threads=True)
+        for child in mp.active_children():
+            child.kill()
+        os._exit(3)
+
+    threading.Thread(target=periodic, daemon=True).start()
+    threading.Thread(target=deadline, daemon=True).start()
+
+
+def _read_trace(directory: Path, rank: int) -> list[dict]:
+    path = directory / f"rank-{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _trace_tails(directory: Path) -> dict:
+    return {f"rank_{r}": {"count": len(t), "last": t[-2:]}
+            for r in (0, 1) for t in [_read_trace(directory, r)]}
+
+
+def trace_summary(directory: Path) -> dict:
+    a, b = _read_trace(directory, 0), _read_trace(directory, 1)
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    ops: dict[str, int] = {}
+    for entry in a:
+        ops[entry["op"]] = ops.get(entry["op"], 0) + 1
+    return {"counts": [len(a), len(b)], "first_difference": first,
+            "at_difference": None if first is None else [a[first:first + 1], b[first:first + 1]],
+            "rank_0_ops": ops}
+
+
+def _group_rank(rank: int, device_type: str, init_method: str, queue) -> None:
+    """One of the two processes of the ``group`` phase."""
+    import torch
+
+    from samebits.distributed.group import TPGroup
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    group = TPGroup(rank, 2, device)
+    group.connect(init_method)
+    message = group.broadcast_object(("hello", (rank,)))
+    x = group.broadcast_tensor(torch.full((4,), 7 if rank == 0 else 0, device=device))
+    queue.put((rank, message[0], x.tolist(), group.close()))
+
+
+def group_phase(device_type: str, timeout: float) -> None:
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_group_rank, args=(r, device_type, init, queue), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < 2 and time.monotonic() < deadline:
+        try:
+            results.append(queue.get(timeout=1))
+        except Exception:  # noqa: BLE001 -- queue.Empty: poll again until the deadline
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(max(5.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    emit("group", ok=len(results) == 2 and all(r[1:] == ("hello", [7] * 4, True)
+                                                for r in results),
+         results=sorted(results), exitcodes=[p.exitcode for p in procs])
+
+
+def generate(llm, max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    from samebits import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs]
+
+
+def tp2_phases(options: dict) -> list:
+    from samebits import LLM
+    llm = LLM(str(CONFIG), tensor_parallel_size=2, **options)
+    runner = llm.engine.runner
+    emit("ready", kv_blocks=runner.num_blocks,
+         graphs=0 if runner.graphs is None else len(runner.graphs.graphs),
+         weight_bytes_per_rank=runner.weight_bytes())
+    emit("first_step", tokens=generate(llm, 1))
+    out = generate(llm, 8)
+    emit("tokens", tokens=[ids for ids, _ in out])
+    rank_1 = runner.peers.procs[1]
+    start = time.monotonic()
+    runner.shutdown()
+    emit("closed", seconds=round(time.monotonic() - start, 2), rank_1_exitcode=rank_1.exitcode)
+    return out
+
+
+def tp1(options: dict, segmented: bool) -> list:
+    from samebits import LLM
+    from samebits.models.parallel import RowParallelLinear
+    llm = LLM(str(CONFIG), **((options | {"enforce_eager": True}) if segmented else options))
+    if segmented:  # TP 2's arithmetic on one device: every K segment's partial, added in order
+        for m in llm.engine.runner.model.modules():
+            if isinstance(m, RowParallelLinear):
+                m.forward = functools.partial(RowParallelLinear.gathered, m)
+    out = generate(llm, 8)
+    emit("tp1_segmented" if segmented else "tp1", tokens=[ids for ids, _ in out])
+    del llm
+    gc.collect()
+    return out
+
+
+def environment(device_type: str) -> None:
+    import torch
+    fields = {"torch": torch.__version__, "device": device_type,
+              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    if device_type == "cuda":
+        fields |= {"nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                   "gpus": [torch.cuda.get_device_name(i)
+                            for i in range(torch.cuda.device_count())]}
+    emit("env", **fields)
+
+
+def main() -> None:
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--out", type=Path, default=None, help="also write the lines and traces here")
+    p.add_argument("--budget", type=float, default=140.0, help="seconds before the watchdog")
+    p.add_argument("--dump-every", type=float, default=30.0, help="seconds between stack dumps")
+    args = p.parse_args()
+    import torch
+    device = args.device or ("cuda" if torch.cuda.device_count() >= 2 else "cpu")
+    OUT = args.out
+    work = OUT or Path(os.environ.get("TMPDIR", "/tmp")) / f"tp_smoke_{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    traces = [work / "trace_group", work / "trace_tp2"]
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ["SAMEBITS_FAULTHANDLER_S"] = str(args.dump_every)
+    arm_watchdog(args.budget, args.dump_every, traces)
+    engine_log = logging.getLogger("samebits")
+    engine_log.setLevel(logging.INFO)
+    engine_log.addHandler(PhaseLog())
+    engine_log.addHandler(logging.StreamHandler(sys.stderr))
+    environment(device)
+    os.environ["SAMEBITS_TP_TRACE"] = str(traces[0])
+    group_phase(device, timeout=min(60.0, args.budget / 3))
+    os.environ["SAMEBITS_TP_TRACE"] = str(traces[1])
+    options = dict(load_format="dummy", device=device, seed=0, max_num_seqs=4,
+                   max_model_len=512, max_num_batched_tokens=512, enable_prefix_caching=False)
+    if device == "cuda":  # TP 2 sizes its KV cache from the memory left (the profiling runs)
+        options |= dict(dtype="bfloat16", gpu_memory_utilization=0.5)
+    two = tp2_phases(options)
+    emit("trace", **trace_summary(traces[1]))
+    os.environ.pop("SAMEBITS_TP_TRACE")
+    options.pop("gpu_memory_utilization", None)
+    options["kv_cache_memory_bytes"] = 1 << 28
+    one, segmented = tp1(options, segmented=False), tp1(options, segmented=True)
+    emit("bits", equal_to_tp1=two == one, equal_to_tp1_segmented=two == segmented,
+         tokens_equal_to_tp1=[a[0] == b[0] for a, b in zip(two, one, strict=True)])
+    os._exit(0)  # the watchdog threads and faulthandler's timer end with the process
+
+
+if __name__ == "__main__":
+    main()
