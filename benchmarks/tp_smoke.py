@@ -207,7 +207,9 @@ def environment(device_type: str) -> None:
     fields = {"torch": torch.__version__, "device": device_type,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
     if device_type == "cuda":
-        fields |= {"nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        version = torch.cuda.nccl.version()
+        fields |= {"nccl": ".".join(map(str, version)) if isinstance(version, tuple)
+                   else str(version),
                    "gpus": [torch.cuda.get_device_name(i)
                             for i in range(torch.cuda.device_count())]}
     emit("env", **fields)
@@ -222,6 +224,8 @@ def main() -> None:
     p.add_argument("--dump-every", type=float, default=30.0, help="seconds between stack dumps")
     args = p.parse_args()
     import torch
+
+    from samebits.distributed import group as group_module
     device = args.device or ("cuda" if torch.cuda.device_count() >= 2 else "cpu")
     OUT = args.out
     work = OUT or Path(os.environ.get("TMPDIR", "/tmp")) / f"tp_smoke_{os.getpid()}"
@@ -231,6 +235,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ["SAMEBITS_FAULTHANDLER_S"] = str(args.dump_every)
     arm_watchdog(args.budget, args.dump_every, traces)
+    group_module.CLOSE_TIMEOUT_S = 15.0  # a shutdown that hangs is reported within the budget
     engine_log = logging.getLogger("samebits")
     engine_log.setLevel(logging.INFO)
     engine_log.addHandler(PhaseLog())

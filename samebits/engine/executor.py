@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from samebits.config import EngineConfig
-from samebits.distributed.group import CLOSE_TIMEOUT_S, TPGroup
+from samebits.distributed.group import TPGroup
 from samebits.engine.runner import ModelRunner
 from samebits.engine.worker import rank_main
 from samebits.loader import LoadedModel, load, rank_device
@@ -201,12 +201,10 @@ class Ranks:
         together = (group is not None and group.connected and self.serving
                     and self.failure is None)
         if together:
-            with contextlib.suppress(Exception):
-                group.broadcast_object(("stop", ()))
-            together = group.close()
+            together = self._stop_together(group)
             if not together:
                 log.warning("tensor parallel: the ranks did not close the process group "
-                            "together within %.0f s; stopping them", CLOSE_TIMEOUT_S)
+                            "together; stopping them")
         for proc in self.procs.values():
             proc.join(JOIN_S if together else 0)
             if proc.is_alive():
@@ -215,6 +213,15 @@ class Ranks:
         if group is not None and not together:
             with contextlib.suppress(Exception):
                 group.discard()
+
+    @staticmethod
+    def _stop_together(group: TPGroup) -> bool:
+        """Tell the ranks to stop and close the group with them; False if either failed."""
+        try:
+            group.broadcast_object(("stop", ()))
+        except Exception:  # noqa: BLE001 -- a rank is gone: close alone instead
+            return False
+        return group.close()
 
 
 def _free_port() -> int:
