@@ -23,7 +23,8 @@ from starlette.background import BackgroundTask
 from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
-from samebits.server.protocol import DeltaToolCall, TokenLogprob
+from samebits.server.protocol_chat import TokenLogprob
+from samebits.server.protocol_tools import DeltaToolCall
 from samebits.server.responses_output import finished, item_id, logprobs
 from samebits.server.responses_protocol import (
     OutputFunctionCall,
