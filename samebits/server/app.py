@@ -47,13 +47,10 @@ from samebits.server.limits import ServerLimits
 from samebits.server.memory import GiveBackMemory
 from samebits.server.metrics import Metrics
 from samebits.server.openapi import document_bodies
-from samebits.server.protocol import (
-    MAX_TOP_LOGPROBS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    ModelList,
-)
+from samebits.server.protocol import MAX_TOP_LOGPROBS, ModelList
+from samebits.server.protocol_chat import ChatCompletionRequest
+from samebits.server.protocol_completion import CompletionRequest
+from samebits.server.protocol_embedding import EmbeddingRequest
 from samebits.server.responses import create_response
 from samebits.server.responses_protocol import ResponsesRequest
 from samebits.server.served_models import ServedModels

@@ -239,10 +239,11 @@ class AsyncEngine:
             else:
                 self._weights_updated(reply)
         groups = self._groups
-        for request_id, token_ids, logprobs, top, text in outputs.tokens:
+        for request_id, token_ids, logprobs, top, text, prompt_lps in outputs.tokens:
             if (entry := groups.get(request_id)) is not None:  # else aborted: its caller left
                 group, index = entry
-                group.queue.put_nowait(Delta(index, token_ids, logprobs, top, text=text))
+                group.queue.put_nowait(Delta(index, token_ids, logprobs, top, text=text,
+                                             prompt_logprobs=prompt_lps))
         for request_id, delta in outputs.last:
             if (entry := groups.pop(request_id, None)) is not None:
                 group = entry[0]

@@ -3,95 +3,69 @@
 vLLM's chat extensions: ``add_generation_prompt`` / ``continue_final_message`` (render the
 conversation and continue its last message: samebits.text.chat_template), ``echo``
 (the reply starts with the last message's content when that message has the reply's role, as
-vLLM), ``prompt_logprobs`` (top level, vLLM's shape), ``return_token_ids``. Legacy
+vLLM), ``prompt_logprobs`` (top level, vLLM's shape), ``return_token_ids``; streamed by
+samebits.server.streaming_chat. Legacy
 ``functions`` / ``function_call`` run as tools; their calls come back in the legacy shape
 (``message.function_call``, finish reason ``function_call``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from samebits.outputs import CompletionOutput
-from samebits.server.async_engine import RequestGroup
-from samebits.server.errors import APIError, from_value_error
+from samebits.server.errors import APIError
 from samebits.server.extensions import (
     check_logprobs,
-    chunk_usage,
-    continuous,
-    include_usage,
     truncated,
 )
-from samebits.server.logprobs import chat_logprobs, vllm_prompt_logprobs
-from samebits.server.protocol import (
+from samebits.server.logprobs import vllm_prompt_logprobs
+from samebits.server.protocol_chat import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatMessage,
     ChatMessageOut,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    ToolCall,
 )
+from samebits.server.protocol_tools import ToolCall
 from samebits.server.serving import (
     ServingContext,
     best,
     cached_tokens,
     collect,
-    deltas,
     hashed_json,
-    last_hash,
     make_group,
     new_id,
+    sampling_params,
     sse,
     submit,
     usage,
 )
+from samebits.server.streaming_chat import ChatReply, chat_events, reply_logprobs
 from samebits.server.structured import check_constraint, requested_constraint
 from samebits.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.chat_template import RESERVED_TEMPLATE_KWARGS, render_chat
 
 
-@dataclass(frozen=True)
-class _Reply:
-    """What every choice of one request shares."""
-
-    req: ChatCompletionRequest
-    plan: ToolPlan
-    prompt: list[int]
-    echo: str  # the text each choice starts with (``echo``), else ""
-    legacy: bool  # the request gave ``functions``: calls in the legacy shape
-
-
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  request: Request) -> Response:
     ctx.check_model(req.model)
-    if req.stream and req.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not supported with stream=true; send it without "
-                       "stream", param="prompt_logprobs")
     check_logprobs(ctx, req.top_logprobs, "top_logprobs")
     check_logprobs(ctx, req.prompt_logprobs, "prompt_logprobs")
     plan = tool_plan(req.tool_list(), req.tool_choice_value())
     spec = await _constraint(ctx, req, plan)
     text = await asyncio.to_thread(_render, ctx, req)
     ids = truncated(ctx, await ctx.encode(text, "messages"), req.truncate_prompt_tokens)
-    max_tokens = req.max_completion_tokens or req.max_tokens or ctx.max_model_len - len(ids)
-    ctx.check_length(ids, max_tokens, "messages")
-    try:
-        params = req.to_sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
-                                        else None, spec, prompt_logprobs=req.prompt_logprobs)
-    except ValueError as e:
-        raise from_value_error(e) from None
-    reply = _Reply(req, plan, ids, _echo(req), req.functions is not None)
+    asked, field = req.requested_max_tokens()
+    ctx.check_length(ids, asked, "messages", field)
+    max_tokens = asked if asked is not None else ctx.max_model_len - len(ids)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             spec, field, prompt_logprobs=req.prompt_logprobs)
+    reply = ChatReply(req, plan, ids, _echo(req), req.functions is not None)
     response_id = new_id("chatcmpl")
     k = req.num_candidates()
     group = make_group(response_id, [ids], [params], k, req.stream, req.cache_salt)
@@ -99,7 +73,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     header = dict(id=response_id, model=req.model or ctx.model_name,
                   system_fingerprint=ctx.fingerprint, seed=seed)
     if req.stream:
-        return sse(ctx, group, lambda: _events(ctx, reply, group, header))
+        return sse(ctx, group, lambda: chat_events(ctx, reply, group, header))
     outputs = await collect(ctx, group, request)
     chosen = best(outputs, req.n, k)
     prompt_lps = None
@@ -164,14 +138,7 @@ def _echo(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last.role == role else ""
 
 
-def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
-              logprobs: list[float], top: list[dict[int, float]]):
-    if not req.logprobs:
-        return None
-    return chat_logprobs(ctx.token_text, token_ids, logprobs, top, req.top_logprobs or 0)
-
-
-def _choice(ctx: ServingContext, reply: _Reply, out: CompletionOutput) -> ChatChoice:
+def _choice(ctx: ServingContext, reply: ChatReply, out: CompletionOutput) -> ChatChoice:
     cut = out.finish_reason == "length"
     content, calls = ToolStream(reply.plan).parse(out.text, cut)
     reason = finish_reason(out.finish_reason, bool(calls))
@@ -181,64 +148,7 @@ def _choice(ctx: ServingContext, reply: _Reply, out: CompletionOutput) -> ChatCh
         message = ChatMessageOut(content=message.content, function_call=calls[0].function)
         reason = "function_call"
     return ChatChoice(index=out.index, message=message,
-                      logprobs=_logprobs(ctx, reply.req, out.token_ids, out.token_logprobs,
-                                         out.top_logprobs),
+                      logprobs=reply_logprobs(ctx, reply.req, out.token_ids,
+                                              out.token_logprobs, out.top_logprobs),
                       finish_reason=reason, seed=out.seed,
                       token_ids=out.token_ids if reply.req.return_token_ids else None)
-
-
-async def _events(ctx: ServingContext, reply: _Reply, group: RequestGroup, header: dict
-                  ) -> AsyncIterator[ChatCompletionChunk]:
-    req, n_prompt = reply.req, len(reply.prompt)
-    live = continuous(req.stream_options)
-    tools = [ToolStream(reply.plan) for _ in group.params]
-    counts = [0] * len(tools)
-    for i, seed in enumerate(group.seeds):
-        yield ChatCompletionChunk(
-            **header, choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                        content=""), seed=seed)],
-            prompt_token_ids=reply.prompt if req.return_token_ids and i == 0 else None,
-            usage=chunk_usage(n_prompt, 0) if live else None)
-        if reply.echo:
-            yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
-                index=i, delta=ChatDelta(content=reply.echo), seed=seed)],
-                usage=chunk_usage(n_prompt, 0) if live else None)
-    finals: list[CompletionOutput] = [None] * len(tools)  # type: ignore[list-item]
-    async for d in deltas(group):
-        if d.output is not None:
-            finals[d.index] = d.output
-        content, calls = tools[d.index].push(d.text)  # the engine's text, streamed
-        finish = None
-        if d.output is not None:
-            rest, more = tools[d.index].finish(cut=d.output.finish_reason == "length")
-            content, calls = _join(content, rest), calls + more
-            finish = finish_reason(d.output.finish_reason, tools[d.index].calls > 0)
-        counts[d.index] += len(d.token_ids)
-        delta = ChatDelta(content=content, tool_calls=calls or None)
-        if reply.legacy:
-            delta, finish = _legacy_delta(delta, finish)
-        yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(
-            index=d.index, delta=delta,
-            logprobs=_logprobs(ctx, req, d.token_ids, d.logprobs, d.top_logprobs),
-            finish_reason=finish, seed=group.seeds[d.index],
-            token_ids=d.token_ids if req.return_token_ids else None)],
-            output_hash=last_hash(d.output, finals),
-            usage=chunk_usage(n_prompt, counts[d.index]) if live else None)
-    if include_usage(req.stream_options):
-        yield ChatCompletionChunk(**header, choices=[], usage=usage(
-            group.prompts[:1], finals, cached_tokens(group, len(finals))))
-
-
-def _legacy_delta(delta: ChatDelta, finish: str | None) -> tuple[ChatDelta, str | None]:
-    """A tool-call delta in the legacy shape: the first call as ``function_call``."""
-    first: list[DeltaToolCall] = [c for c in delta.tool_calls or () if c.index == 0]
-    if first:
-        f = first[0].function
-        delta = ChatDelta(content=delta.content,
-                          function_call=DeltaFunctionCall(name=f.name, arguments=f.arguments))
-    return delta, "function_call" if finish == "tool_calls" else finish
-
-
-def _join(a: str | None, b: str | None) -> str | None:
-    return None if a is None and b is None else (a or "") + (b or "")
-

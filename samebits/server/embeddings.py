@@ -28,8 +28,8 @@ from samebits.pooling_params import PoolingParams
 from samebits.server.async_engine import AsyncEngine, RequestGroup
 from samebits.server.errors import APIError
 from samebits.server.metrics import Metrics
-from samebits.server.protocol import (
-    MAX_EMBEDDING_INPUTS,
+from samebits.server.protocol import MAX_EMBEDDING_INPUTS
+from samebits.server.protocol_embedding import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,

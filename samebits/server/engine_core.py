@@ -81,7 +81,9 @@ class Delta:
     text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
     error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
     cached_tokens: int = 0  # with ``output``: prompt tokens read from the prefix cache
-    prompt_logprobs: PromptLogprobs | None = None  # with ``output``, when asked for
+    # when asked for: with ``output``, and on a stream's first delta (the prompt is scored
+    # before the first token is sampled)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,8 @@ class CoreStats:
 
 
 # a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs,
-# its new output text)
-TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str]
+# its new output text, its prompt logprobs: on its first row only, when asked for)
+TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str, PromptLogprobs | None]
 
 
 @dataclass
@@ -366,9 +368,11 @@ class EngineCore:
             stats.e2e.append(now - t.arrival)
         elif t.stream and total > t.sent:
             s = slice(t.sent, total)
+            prompt_logprobs = self.engine.output.prompt_logprobs(seq) if t.sent == 0 else None
             t.sent = total
             self._out.tokens.append((seq.request_id, seq.output_token_ids[s], seq.logprobs[s],
-                                     seq.top_logprobs[s], self.engine.output.stream_text(seq)))
+                                     seq.top_logprobs[s], self.engine.output.stream_text(seq),
+                                     prompt_logprobs))
 
     def _last_delta(self, seq: Sequence, t: _Tracked) -> Delta:
         s = slice(t.sent, len(seq.output_token_ids))

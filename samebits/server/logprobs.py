@@ -4,13 +4,9 @@ distribution; JSON carries them as the shortest decimal that reads back to the s
 from __future__ import annotations
 
 from samebits.outputs import PromptLogprobs
-from samebits.server.protocol import (
-    ChatLogprobs,
-    CompletionLogprobs,
-    PromptLogprob,
-    TokenLogprob,
-    TopLogprob,
-)
+from samebits.server.protocol import PromptLogprob
+from samebits.server.protocol_chat import ChatLogprobs, TokenLogprob, TopLogprob
+from samebits.server.protocol_completion import CompletionLogprobs
 from samebits.server.tokens import TokenText
 
 

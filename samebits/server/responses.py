@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from samebits.sampling_params import SamplingParams
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.extensions import check_logprobs
-from samebits.server.protocol import FunctionDef, NamedFunction, NamedToolChoice, Tool
+from samebits.server.protocol_tools import FunctionDef, NamedFunction, NamedToolChoice, Tool
 from samebits.server.responses_output import finished, item_id, output_items
 from samebits.server.responses_protocol import (
     LOGPROBS,

@@ -7,7 +7,7 @@ import uuid
 
 from samebits.outputs import CompletionOutput
 from samebits.server.logprobs import chat_logprobs
-from samebits.server.protocol import TokenLogprob
+from samebits.server.protocol_chat import TokenLogprob
 from samebits.server.responses_protocol import (
     LOGPROBS,
     IncompleteDetails,

@@ -5,7 +5,8 @@ response object and the stream's events, as OpenAI's, with samebits' ``seed`` an
 samebits serves it statelessly: nothing is stored (``store`` is accepted, ``previous_response_id``
 is a 400 saying so). Fields that would change the answer and that samebits does not honour are
 400s naming them (``reasoning``, ``truncation: "auto"``, non-function tools, media input, ...);
-fields with no effect on the output are accepted. Input content is text only.
+fields with no effect on the output are accepted. Input content is text only (a list of text
+parts is joined as chat joins it: ``join_text_parts``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pydantic import (
     field_validator,
 )
 
-from samebits.server.protocol import TokenLogprob
+from samebits.server.protocol_chat import TokenLogprob
+from samebits.text.chat_template import join_text_parts
 
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value (the output's logprobs)
 
@@ -70,7 +72,7 @@ class Message(_Item):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return join_text_parts([p.text for p in self.content])
 
 
 class FunctionCallItem(_Item):
@@ -93,7 +95,7 @@ class FunctionCallOutput(_Item):
     def text(self) -> str:
         if isinstance(self.output, str):
             return self.output
-        return "".join(p.text for p in self.output)
+        return join_text_parts([p.text for p in self.output])
 
 
 def _item_type(value: Any) -> str | None:

@@ -10,8 +10,9 @@ each tool call, ``response.output_item.added`` (a function_call),
 ``status`` is ``incomplete`` when cut by ``max_output_tokens``; it carries ``output_hash``).
 
 Text streams as it is generated (held back only where a stop string or a tool call could still
-start, as chat); a named tool call's arguments stream as generated; ``required`` and ``auto``
-calls are sent when complete."""
+start, as chat); tool calls are sent when complete (each call's arguments in one delta), and an
+answer cut by ``max_output_tokens`` streams its held text as text, as chat (server/tools.py).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from starlette.background import BackgroundTask
 from samebits.outputs import CompletionOutput
 from samebits.server.async_engine import RequestGroup
 from samebits.server.errors import APIError
-from samebits.server.protocol import DeltaToolCall, TokenLogprob
+from samebits.server.protocol_chat import TokenLogprob
+from samebits.server.protocol_tools import DeltaToolCall
 from samebits.server.responses_output import finished, item_id, logprobs
 from samebits.server.responses_protocol import (
     OutputFunctionCall,

@@ -11,6 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,8 +32,9 @@ from samebits.server.async_engine import (
 )
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.output_hash import HEADER, output_hash
-from samebits.server.protocol import ErrorResponse, PromptTokensDetails, Usage
+from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
 from samebits.server.tokens import TokenText
+from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.tokenizer import Tokenizer
 
 log = logging.getLogger("samebits.server")
@@ -70,14 +72,33 @@ class ServingContext:
         except UnicodeError:
             raise APIError(400, f"{param} is not valid UTF-8", param=param) from None
 
-    def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
+    def check_length(self, ids: list[int], max_tokens: int | None, param: str,
+                     max_tokens_field: str = "max_tokens") -> None:
         """The one context-length check (engine.context_length), OpenAI's rule: prompt +
-        ``max_tokens`` must fit."""
+        ``max_tokens`` must fit (None: the prompt leaves room to generate). The error names
+        ``param`` (the prompt's field) or ``max_tokens_field`` (the wire name of max_tokens)."""
         try:
             check_context_length(len(ids), max_tokens, self.max_model_len, param,
                                  fits_max_tokens=True)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
+            field = max_tokens_field if e.param == "max_tokens" else e.param
+            message = field + str(e).removeprefix(e.param) if field != e.param else str(e)
+            raise APIError(400, message, param=field, code="context_length_exceeded") from None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputsParams | None, max_tokens_field: str = "max_tokens",
+                    **extra: Any) -> SamplingParams:
+    """The request's ``SamplingParams`` (``req.to_sampling_params``): a bad value is a 400 naming
+    its field, ``max_tokens`` by the wire name the request gave it (``max_tokens_field``)."""
+    try:
+        return req.to_sampling_params(max_tokens, logprobs, structured, **extra)
+    except ValueError as e:
+        error = from_value_error(e)
+    if error.param == "max_tokens" and max_tokens_field != "max_tokens":
+        raise APIError(400, max_tokens_field + error.message.removeprefix("max_tokens"),
+                       param=max_tokens_field)
+    raise error
 
 
 def make_group(prefix: str, prompts: list[list[int]], params: list[SamplingParams], n: int,

@@ -23,7 +23,8 @@ from pydantic import BaseModel, model_validator
 
 import samebits
 from samebits.server.errors import APIError
-from samebits.server.protocol import ChatMessage, _Request
+from samebits.server.protocol import _Request
+from samebits.server.protocol_chat import ChatMessage
 from samebits.server.serving import ServingContext
 
 TOKENIZE_LIMIT_FACTOR = 32  # /tokenize and /detokenize: at most this many contexts of tokens

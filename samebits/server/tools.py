@@ -12,9 +12,10 @@
   blocks in the text become calls (text before them stays the content). Text that does not parse
   stays content.
 A choice with calls finishes with ``tool_calls``. A choice cut by ``max_tokens`` (``length``) has no
-calls: its raw text is the content. Streaming sends the content as it comes; a named call's
-arguments stream as generated; ``required`` and ``auto`` calls are sent when complete (each with
-its index, id, name and arguments), or as content when the choice was cut.
+calls: its raw text is the content (a call cut short has no valid arguments). Streaming sends the
+content as it comes and each call when the choice is complete (one delta with its index, id, name
+and arguments), or the held text as content when the choice was cut -- in every mode, the named
+one included -- so a stream's deltas add up to the non-streamed message.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from samebits.server.errors import APIError
-from samebits.server.protocol import (
+from samebits.server.protocol_tools import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
@@ -108,17 +109,13 @@ class ToolStream:
     held: str = ""  # text not yet sent: a possible start of a call, or the calls themselves
     in_calls: bool = False
     calls: int = 0  # tool calls sent so far
-    named_id: str | None = None
-    sent: list[DeltaToolCall] = field(default_factory=list)
 
     def push(self, text: str) -> tuple[str | None, list[DeltaToolCall]]:
         mode = self.plan.mode
         if mode == "none":
             return text, []
-        if mode == "named":
-            return None, self._named(text)
         self.held += text
-        if mode == "required" or self.in_calls:
+        if mode in ("named", "required") or self.in_calls:
             return None, []
         at = self.held.find(OPEN)
         if at >= 0:
@@ -131,31 +128,29 @@ class ToolStream:
     def finish(self, cut: bool = False) -> tuple[str | None, list[DeltaToolCall]]:
         """The held text, as calls or as content (``cut``: the output was cut by max_tokens,
         so any call in it may be incomplete: content)."""
-        if self.plan.mode in ("none", "named") or not self.held:
+        if self.plan.mode == "none" or not self.held:
             return None, []
         held, self.held = self.held, ""
-        found = _parse_required(held) if self.plan.mode == "required" else _parse_tagged(held)
-        if found is None or cut:
-            return held, []  # not calls after all: it was content
+        found = None if cut else self._found(held)
+        if found is None:
+            return held, []  # cut short, or not calls after all: it was content
         deltas = [DeltaToolCall(index=self.calls + i, id=new_call_id(), type="function",
                                 function=DeltaFunctionCall(name=n, arguments=a))
                   for i, (n, a) in enumerate(found)]
         self.calls += len(deltas)
         return None, deltas
 
-    def _named(self, text: str) -> list[DeltaToolCall]:
-        if self.named_id is None:
-            self.named_id, self.calls = new_call_id(), 1
-            return [DeltaToolCall(index=0, id=self.named_id, type="function",
-                                  function=DeltaFunctionCall(name=self.plan.name, arguments=text))]
-        return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
+    def _found(self, held: str) -> list[tuple[str, str]] | None:
+        """The calls (name, arguments) in a complete choice's held text; None: not calls. A
+        named call's arguments are the text itself (the grammar made it that function's JSON)."""
+        if self.plan.mode == "named":
+            return [(self.plan.name or "", held)]
+        return _parse_required(held) if self.plan.mode == "required" else _parse_tagged(held)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """A whole text -> (content, tool calls); a ``cut`` text (max_tokens) has no calls."""
-        if cut and self.plan.mode != "none":
-            return text, []
         content, deltas = self.push(text)
-        rest, more = self.finish()
+        rest, more = self.finish(cut)
         joined = (content or "") + (rest or "")
         calls = [ToolCall(id=d.id or new_call_id(), function=FunctionCall(
             name=d.function.name or "", arguments=d.function.arguments or ""))

@@ -11,9 +11,10 @@ as ``<tool_response>...</tool_response>`` in a ``tool`` message. samebits' tool 
 same ``<tool_call>`` format back out of generated text (server/tools.py).
 
 Content given as a list of parts (OpenAI's ``[{"type": "text", "text": ...}]``) is joined into
-one string, its text parts separated by newlines (vLLM's rendering for string templates); other
-part types are refused. ``continue_final_message`` renders the last message open-ended, cut as
-transformers cuts it, so the model continues it instead of starting a new turn.
+one string, its text parts separated by newlines (``join_text_parts``: vLLM's rendering for
+string templates; the server joins with it too); other part types are refused.
+``continue_final_message`` renders the last message open-ended, cut as transformers cuts it, so
+the model continues it instead of starting a new turn.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     return _cut_at_tag(text) if continue_final_message else text
 
 
+def join_text_parts(texts: list[str]) -> str:
+    """A message's text parts as one content string: newline-separated, as vLLM joins them."""
+    return "\n".join(texts)
+
+
 def _text_content(message: dict[str, Any]) -> dict[str, Any]:
     """The message with list-of-parts content joined into one string."""
     content = message.get("content")
@@ -83,7 +89,7 @@ def _text_content(message: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"message content part of type {kind!r} is not supported: samebits "
                              "models take text parts ({'type': 'text', 'text': ...}) only")
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": join_text_parts(texts)}
 
 
 def _cut_at_tag(text: str) -> str:

@@ -1,6 +1,7 @@
 """The engine core in-process (a small random Llama, no HTTP): what it hands back is exactly what
-the engine computed -- a streamed request a delta per step, any other one delta at the end --
-admission is all or nothing, an abort frees everything, and the counts the metrics read add up."""
+the engine computed -- a streamed request a delta per step (its prompt logprobs on the first), any
+other one delta at the end -- admission is all or nothing, an abort frees everything, and the
+counts the metrics read add up."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def _deltas(outs: list[CoreOutputs]) -> dict[str, list[Delta]]:
     """Each request's deltas in order (its progress rows as deltas, then its last one)."""
     by_id: dict[str, list[Delta]] = {}
     for out in outs:
-        for request_id, token_ids, logprobs, top, text in out.tokens:
-            by_id.setdefault(request_id, []).append(Delta(-1, token_ids, logprobs, top, text=text))
+        for request_id, token_ids, logprobs, top, text, prompt_lps in out.tokens:
+            by_id.setdefault(request_id, []).append(Delta(-1, token_ids, logprobs, top, text=text,
+                                                          prompt_logprobs=prompt_lps))
         for request_id, delta in out.last:
             by_id.setdefault(request_id, []).append(delta)
     return by_id
@@ -105,6 +107,18 @@ def test_core_hands_back_the_engines_bits_per_step_when_streamed_else_once(confi
     assert sum((s.finished for s in stats), Counter()) == Counter(length=3)
     assert len([x for s in stats for x in s.ttft]) == 3
     assert stats[-1].running == stats[-1].waiting == stats[-1].kv_blocks_used == 0
+
+
+def test_core_sends_a_streamed_requests_prompt_logprobs_with_its_first_tokens(config):
+    params = replace(GREEDY, prompt_logprobs=2)
+    outs = _run(LLMEngine(config), [_group(0, [[5, 6, 7, 8, 9]], params, stream=True)])
+    steps = _deltas(outs)["g0-0-0"]
+    assert len(steps) == 5 and len(steps[0].token_ids) == 1  # before any other token
+    assert steps[0].prompt_logprobs is not None and len(steps[0].prompt_logprobs) == 5
+    assert all(d.prompt_logprobs is None for d in steps[1:-1])
+    assert steps[0].prompt_logprobs == steps[-1].prompt_logprobs  # the result's, exactly
+    offline = LLM(**vars(config)).generate([[5, 6, 7, 8, 9]], params)[0]
+    assert steps[0].prompt_logprobs == offline.prompt_logprobs
 
 
 def test_core_refuses_a_group_whole_and_goes_on_serving(config):

@@ -11,10 +11,12 @@ from tokenizers import pre_tokenizers
 
 from samebits.engine.fanout import seed_requests
 from samebits.sampling_params import SamplingParams
-from samebits.server.errors import from_validation_error, from_value_error
-from samebits.server.protocol import ChatCompletionRequest, CompletionRequest
-from samebits.server.serving import make_group
+from samebits.server.errors import APIError, from_validation_error, from_value_error
+from samebits.server.protocol_chat import ChatCompletionRequest
+from samebits.server.protocol_completion import CompletionRequest
+from samebits.server.serving import make_group, sampling_params
 from samebits.server.tokens import _UNBYTE
+from samebits.server.tools import ToolPlan, ToolStream
 
 
 def test_byte_level_table_inverts_gpt2_alphabet():
@@ -76,11 +78,51 @@ def test_range_errors_are_sampling_params_and_name_the_field(body, param):
     assert (err.status, err.param) == (400, param)
 
 
-def test_chat_content_parts_are_joined():
+def test_chat_content_parts_are_joined_with_newlines_as_vllm():
     req = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
         ' {"type": "text", "text": "b"}]}]}')
-    assert req.messages[0].text() == "ab"
+    assert req.messages[0].text() == "a\nb"
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ('{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+     "max_completion_tokens", "max_completion_tokens must be a positive integer"),
+    ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": -2}',
+     "max_tokens", "max_tokens must be a positive integer"),
+    ('{"messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+     "temperature", "temperature must be >= 0"),
+    ('{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p", "top_p"),
+    ('{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n", "n must be"),
+])
+def test_chat_ranges_are_sampling_params_and_name_the_wire_field(body, param, words):
+    """The request parses (no range of its own); SamplingParams' error names the field the
+    request used (max_completion_tokens is SamplingParams.max_tokens)."""
+    req = ChatCompletionRequest.model_validate_json(body)
+    asked, field = req.requested_max_tokens()
+    with pytest.raises(APIError) as e:
+        sampling_params(req, asked if asked is not None else 16, None, None, field)
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_is_held_until_complete_and_is_content_when_cut(choice):
+    """A named or required call streams as one whole call when the choice completes, or as its
+    raw text when max_tokens cut it: the deltas add up to the whole parse either way."""
+    plan = ToolPlan("named", "f") if choice == "named" else ToolPlan("required")
+    text = '{"city": "Oslo"}' if choice == "named" else '[{"name": "f", "arguments": {"a": 1}}]'
+    for cut, piece in ((True, text[:-3]), (False, text)):
+        stream = ToolStream(plan)
+        pushed = [stream.push(piece[i:i + 4]) for i in range(0, len(piece), 4)]
+        assert all(p == (None, []) for p in pushed)  # nothing leaves before the end
+        content, calls = stream.finish(cut)
+        whole = ToolStream(plan).parse(piece, cut)
+        if cut:
+            assert (content, calls) == (piece, []) == whole
+        else:
+            assert content is None and len(calls) == 1 and calls[0].id is not None
+            assert (calls[0].function.name, calls[0].function.arguments) == (
+                whole[1][0].function.name, whole[1][0].function.arguments)
 
 
 def test_engine_value_errors_become_400_naming_the_field():

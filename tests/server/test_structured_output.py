@@ -69,10 +69,11 @@ def test_named_tool_choice_returns_a_parseable_call_then_history_round_trips(ser
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(server):
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(server, choice):
     client = server.client()
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=24,
-              temperature=0)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0,
+              tool_choice=NAMED if choice == "named" else choice)
     whole = client.chat.completions.create(**kw).choices[0]
     calls, finish = {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):

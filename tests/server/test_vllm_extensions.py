@@ -1,8 +1,8 @@
 """vLLM's request extensions through the real openai SDK against ``samebits serve``: each one does
 what vLLM's does (continuous usage, token ids, masks, truncation, streamed echo, chat echo /
-continue_final_message / prompt_logprobs, legacy functions, nested tool schemas, cut tool calls),
-the wire errors name their field, and a masked request's bits do not depend on its neighbours
-(negative control: the standard server)."""
+continue_final_message / prompt_logprobs, text parts joined as vLLM joins them, legacy functions,
+nested tool schemas, cut tool calls streamed or not), the wire errors name their field, and a
+masked request's bits do not depend on its neighbours (negative control: the standard server)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from samebits.server.protocol import CompletionRequest
+from samebits.sampling_params import SamplingParams
+from samebits.server.protocol_completion import CompletionRequest
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The cat sat on the mat. The cat was happy because the cat"
@@ -161,6 +162,21 @@ def test_chat_continue_final_message_echo_and_prompt_logprobs(server):
                    if c["choices"]) == echoed.choices[0].message.content
 
 
+def test_text_parts_are_joined_with_newlines_as_vllm_and_offline_chat(server, offline_llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                          {"type": "text", "text": "colors."}]}]
+    joined = [{"role": "user", "content": "Name three\ncolors."}]
+    client = server.client()
+    served = [client.chat.completions.create(
+        model=MODEL, messages=m, max_tokens=1, temperature=0,
+        extra_body={"return_token_ids": True}).model_extra["prompt_token_ids"]
+        for m in (parts, joined)]
+    offline = offline_llm.chat(parts, SamplingParams(max_tokens=1, temperature=0),
+                               use_tqdm=False)[0].prompt_token_ids
+    assert served[0] == served[1] == offline
+    assert "Name three\ncolors." in _detokenize(server, served[0])
+
+
 @pytest.mark.slow
 def test_nested_tool_schemas_with_defs_in_required_named_and_response_format(server):
     client = server.client()
@@ -178,8 +194,7 @@ def test_nested_tool_schemas_with_defs_in_required_named_and_response_format(ser
     assert isinstance(parsed.choices[0].message.parsed, Weather)
 
 
-@pytest.mark.parametrize("choice", ["required", "auto",
-                                    pytest.param("named", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("choice", ["required", "auto", "named"])
 def test_a_tool_call_cut_by_max_tokens_is_returned_as_text(server, choice):
     tool_choice = {"required": "required", "auto": "auto",
                    "named": {"type": "function", "function": {"name": "report_weather"}}}[choice]
@@ -193,10 +208,10 @@ def test_a_tool_call_cut_by_max_tokens_is_returned_as_text(server, choice):
     streamed = _stream_chunks(server, "/v1/chat/completions", dict(
         model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice=tool_choice,
         max_tokens=4, temperature=0))
-    if choice != "named":  # a named call's arguments stream as they are generated
-        deltas = [c["choices"][0]["delta"] for c in streamed]
-        assert not any(d.get("tool_calls") for d in deltas)
-        assert "".join(d.get("content") or "" for d in deltas) == out.message.content
+    deltas = [c["choices"][0]["delta"] for c in streamed]
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == out.message.content
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.slow
@@ -229,8 +244,15 @@ BAD = [  # (path, body, param, words in the message)
      "continue_final_message", "add_generation_prompt"),
     ("/v1/chat/completions", dict(messages=ASK, tools=[WEATHER_TOOL],
                                   functions=[WEATHER_TOOL["function"]]), "functions", "tools"),
-    ("/v1/chat/completions", dict(messages=ASK, prompt_logprobs=1, stream=True),
-     "prompt_logprobs", "stream"),
+    ("/v1/chat/completions", dict(messages=ASK, max_completion_tokens=0),
+     "max_completion_tokens", "max_completion_tokens must be a positive integer"),
+    ("/v1/chat/completions", dict(messages=ASK, max_tokens=-1), "max_tokens",
+     "max_tokens must be a positive integer"),
+    ("/v1/chat/completions", dict(messages=ASK, max_completion_tokens=10**6),
+     "max_completion_tokens", "exceeds this model's context"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=-3), "max_tokens",
+     "max_tokens must be a positive integer"),
+    ("/v1/completions", dict(prompt="hi", temperature=-0.5), "temperature", ">= 0"),
 ]
 
 

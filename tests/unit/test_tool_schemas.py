@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from samebits.server.protocol import FunctionDef, NamedFunction, NamedToolChoice, Tool
+from samebits.server.protocol_tools import FunctionDef, NamedFunction, NamedToolChoice, Tool
 from samebits.server.tools import ToolStream, tool_plan
 
 xgr = pytest.importorskip("xgrammar")

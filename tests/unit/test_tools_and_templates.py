@@ -9,7 +9,7 @@ import pytest
 
 from samebits.server.app import read_chat_template
 from samebits.server.errors import APIError
-from samebits.server.protocol import ChatCompletionRequest
+from samebits.server.protocol_chat import ChatCompletionRequest
 from samebits.server.tools import ToolPlan, ToolStream, tool_plan
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.chat_template import render_chat
@@ -58,7 +58,7 @@ def test_auto_text_without_calls_or_with_broken_json_stays_content():
         assert _streamed(ToolPlan("auto"), text, 2) == (text, {})
 
 
-def test_named_streams_arguments_as_generated_under_one_call():
+def test_named_call_is_sent_whole_under_one_call_when_complete():
     content, calls = _streamed(ToolPlan("named", "get_weather"), '{"city": "Oslo"}', 4)
     assert content == "" and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
