@@ -144,6 +144,9 @@ def _vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=_max_logprobs, default=20, metavar="N",
                    help="the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request "
                    "may ask for, 0 to 20")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens (prompt tokens read from "
+                   "the prefix cache) to completion and chat responses")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted; no effect (samebits runs no model code from checkpoints)")
     p.add_argument("--disable-log-requests", action="store_true",

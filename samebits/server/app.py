@@ -70,21 +70,25 @@ def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | Sequen
               embed_model_name: str | Sequence[str] = DEFAULT_EMBED_MODEL_NAME,
               max_queued_requests: int | None = None, canary_rate: float = 0.0,
               limits: ServerLimits = DEFAULT_LIMITS,
-              max_logprobs: int = MAX_TOP_LOGPROBS) -> FastAPI:
+              max_logprobs: int = MAX_TOP_LOGPROBS,
+              prompt_tokens_details: bool = False) -> FastAPI:
     """The app over a generation engine, an embedding model's engine (``embed_engine``), or
     both; their engine loops run while the app does (its lifespan). A model name may be several
     names (the first is its name, the others aliases). ``api_key``: one key or several (any of
     them is accepted). ``max_queued_requests``: requests that may wait beyond those running (None: no
     limit); past it, 503 with Retry-After. ``canary_rate``: the share of finished requests the
     determinism canary replays alone (samebits.server.canary). ``max_logprobs``: the most
-    logprobs a request may ask for. ``app.state.readiness`` is what /health reports and what a
-    shutdown drains (samebits.server.lifecycle)."""
+    logprobs a request may ask for. ``prompt_tokens_details``: completion and chat usage report
+    ``prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``).
+    ``app.state.readiness`` is what /health reports and what a shutdown drains
+    (samebits.server.lifecycle)."""
     keys = _keys(api_key)
     limits.check_auth(keys)
     gen_names = _names(model_name, DEFAULT_MODEL_NAME)
     emb_names = _names(embed_model_name, DEFAULT_EMBED_MODEL_NAME)
     if engine is not None:
-        metrics = Metrics(gen_names[0], engine.fingerprint, engine.config.batch_invariant)
+        metrics = Metrics(gen_names[0], engine.fingerprint, engine.config.batch_invariant,
+                          engine.max_model_len)
     elif embed_engine is not None:
         metrics = Metrics(emb_names[0], embed_engine.fingerprint,
                           embed_engine.config.batch_invariant)
@@ -93,10 +97,12 @@ def build_app(engine: LLMEngine | EngineProcess | None, model_name: str | Sequen
     loop = ctx = emb = None
     if engine is not None:
         loop = AsyncEngine(engine, metrics, max_queued_requests, canary_rate)
+        metrics.cache_config(engine.config.block_size, metrics.kv_blocks_total.value)
         ctx = ServingContext(loop, gen_names[0], engine.tokenizer,
                              engine.max_model_len, engine.fingerprint,
                              TokenText(engine.tokenizer), engine.grammars,
-                             max_logprobs=max_logprobs, aliases=gen_names[1:])
+                             max_logprobs=max_logprobs, aliases=gen_names[1:],
+                             prompt_tokens_details=prompt_tokens_details)
     if embed_engine is not None:
         emb = EmbeddingContext.serve(embed_engine, emb_names[0], metrics, max_queued_requests)
         if engine is not None:
@@ -364,7 +370,8 @@ def build_served_app(args: argparse.Namespace, api_key: str | Sequence[str] | No
     return build_app(engine, served_names(args, model_name(args.model), DEFAULT_MODEL_NAME),
                      api_key, embed_engine=embed_engine, embed_model_name=embed_name,
                      max_queued_requests=args.max_queued_requests,
-                     canary_rate=args.canary_rate, limits=limits, max_logprobs=args.max_logprobs)
+                     canary_rate=args.canary_rate, limits=limits, max_logprobs=args.max_logprobs,
+                     prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def _build_kernels(*configs: EngineConfig) -> None:

@@ -81,7 +81,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         prompt_lps = vllm_prompt_logprobs(group.prompt_logprobs[0], req.prompt_logprobs)
     body = ChatCompletionResponse(
         **header, choices=[_choice(ctx, reply, o) for o in chosen],
-        usage=usage([ids], outputs, cached_tokens(group, k)), prompt_logprobs=prompt_lps,
+        usage=usage(ctx, [ids], outputs, cached_tokens(group, k)), prompt_logprobs=prompt_lps,
         prompt_token_ids=ids if req.return_token_ids else None)
     return hashed_json(body, chosen)
 
@@ -102,7 +102,7 @@ async def _constraint(ctx: ServingContext, req: ChatCompletionRequest, plan: Too
 def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
     if ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", param="messages")
-    messages = [_message(m) for m in req.messages]
+    messages = [template_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tool_list()]
     kwargs = req.chat_template_kwargs or {}
     if reserved := RESERVED_TEMPLATE_KWARGS & set(kwargs):
@@ -116,7 +116,7 @@ def _render(ctx: ServingContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, str(e), param="messages") from None
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as the chat template sees it (developer -> system, function -> tool, text parts
     joined, a legacy function_call -> tool_calls)."""
     role = {"developer": "system", "function": "tool"}.get(m.role, m.role)

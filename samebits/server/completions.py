@@ -77,7 +77,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                        group.prompt_logprobs[(o.index // req.n) * k],
                        texts[o.index // req.n] if texts else "") for o in chosen]
     body = CompletionResponse(**header, choices=choices,
-                              usage=usage(prompts, outputs, cached_tokens(group, k)))
+                              usage=usage(ctx, prompts, outputs, cached_tokens(group, k)))
     return hashed_json(body, chosen)
 
 
@@ -136,10 +136,10 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: CompletionOutput,
             ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(ctx.token_text, out.token_ids, out.token_logprobs,
-                                       out.top_logprobs)
+        tt = ctx.shown_tokens(req.return_tokens_as_token_ids)
+        logprobs = completion_logprobs(tt, out.token_ids, out.token_logprobs, out.top_logprobs)
         if req.echo:
-            logprobs = echo_logprobs(ctx.token_text, prompt_ids, prompt_lps, req.logprobs, logprobs)
+            logprobs = echo_logprobs(tt, prompt_ids, prompt_lps, req.logprobs, logprobs)
     prompt_logprobs = None
     if req.prompt_logprobs is not None:
         prompt_logprobs = vllm_prompt_logprobs(prompt_lps, req.prompt_logprobs)

@@ -32,13 +32,14 @@ def check_logprobs(ctx: ServingContext, value: int | None, param: str) -> None:
 
 
 def continuous(options: StreamOptions | None) -> bool:
-    """Whether every chunk carries its choice's usage so far."""
-    return options is not None and options.continuous_usage_stats
+    """Whether every chunk carries its choice's usage so far: ``continuous_usage_stats`` with
+    ``include_usage`` (as vLLM: without it, no chunk carries usage)."""
+    return include_usage(options) and bool(options.continuous_usage_stats)
 
 
 def include_usage(options: StreamOptions | None) -> bool:
     """Whether the stream ends with a chunk carrying the request's usage."""
-    return options is not None and options.include_usage
+    return options is not None and bool(options.include_usage)
 
 
 def chunk_usage(prompt_tokens: int, completion_tokens: int) -> Usage:

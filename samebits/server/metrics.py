@@ -11,7 +11,12 @@ fraction, as vLLM's), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_tot
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds`` and ``vllm:request_success_total`` (by
 ``finished_reason``: stop, length, abort). The engine loop writes each pair through one name
-(``prompt_tokens.inc``, ``ttft.observe``, ...): the two never disagree.
+(``prompt_tokens.inc``, ``ttft.observe``, ...): the two never disagree. The serving layer adds,
+per finished engine request (one per choice), ``vllm:request_prompt_tokens``,
+``vllm:request_generation_tokens``, ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
+(prompt tokens looked up / read from the prefix cache) and, once per prompt,
+``vllm:request_params_n`` / ``vllm:request_params_max_tokens``; ``vllm:cache_config_info``
+carries the KV cache's block size and block count.
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ from prometheus_client import (
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
+
+
+def _token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
 
 
 class _Both:
@@ -79,9 +96,10 @@ class _Finished:
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model: str, fingerprint: str, batch_invariant: bool) -> None:
+    def __init__(self, model: str, fingerprint: str, batch_invariant: bool,
+                 max_model_len: int = 8192) -> None:
         self.registry = r = CollectorRegistry()
-        vllm = _VLLM(model, r)
+        self.vllm = vllm = _VLLM(model, r, max_model_len)
         self.requests = Counter("samebits_requests", "HTTP requests to /v1/*, by status code",
                                 ["status"], registry=r)
         self.finished = _Finished(Counter(
@@ -145,6 +163,26 @@ class Metrics:
         total = self.kv_blocks_total.value
         self.kv_usage.set(kv_blocks / total if total else 0.0)
 
+    def request_finished(self, prompt_tokens: int, generation_tokens: int,
+                         cached_tokens: int) -> None:
+        """One engine request (one choice) finished with these token counts."""
+        v = self.vllm
+        v.request_prompt_tokens.observe(prompt_tokens)
+        v.request_generation_tokens.observe(generation_tokens)
+        v.prefix_cache_queries.inc(prompt_tokens)
+        v.prefix_cache_hits.inc(cached_tokens)
+
+    def request_params(self, n: int, max_tokens: int | None) -> None:
+        """A finished prompt's ``n`` and ``max_tokens`` (once per prompt, as vLLM)."""
+        self.vllm.request_params_n.observe(n)
+        if max_tokens is not None:
+            self.vllm.request_params_max_tokens.observe(max_tokens)
+
+    def cache_config(self, block_size: int, num_blocks: int) -> None:
+        """``vllm:cache_config_info``: the KV cache's shape as labels (value 1)."""
+        self.vllm.cache_config.labels(block_size=str(block_size),
+                                      num_gpu_blocks=str(num_blocks)).set(1)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -152,7 +190,7 @@ class Metrics:
 class _VLLM:
     """vLLM's metrics (its names, help and ``model_name`` label), for the served model."""
 
-    def __init__(self, model: str, r: CollectorRegistry) -> None:
+    def __init__(self, model: str, r: CollectorRegistry, max_model_len: int) -> None:
         label = {"model_name": model}
 
         def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
@@ -177,3 +215,20 @@ class _VLLM:
         self.request_success = Counter("vllm:request_success", "Count of successfully "
                                        "processed requests.", ["model_name", "finished_reason"],
                                        registry=r)
+        tokens = _token_buckets(max_model_len)
+        self.request_prompt_tokens = one(Histogram, "vllm:request_prompt_tokens", "Number of "
+                                         "prefill tokens processed.", buckets=tokens)
+        self.request_generation_tokens = one(Histogram, "vllm:request_generation_tokens",
+                                             "Number of generation tokens processed.",
+                                             buckets=tokens)
+        self.request_params_n = one(Histogram, "vllm:request_params_n", "Histogram of the n "
+                                    "request parameter.", buckets=_N_BUCKETS)
+        self.request_params_max_tokens = one(Histogram, "vllm:request_params_max_tokens",
+                                             "Histogram of the max_tokens request parameter.",
+                                             buckets=tokens)
+        self.prefix_cache_queries = one(Counter, "vllm:prefix_cache_queries", "Prefix cache "
+                                        "queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = one(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in "
+                                     "terms of number of cached tokens.")
+        self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine "
+                                  "CacheConfig", ["block_size", "num_gpu_blocks"], registry=r)

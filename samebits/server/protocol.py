@@ -10,10 +10,11 @@ values are checked once, by ``SamplingParams`` (``SamplingFields.to_sampling_par
 onto it, vLLM's field names; the server turns its ``ValueError`` into a 400 naming the field).
 Fields with no effect on the output (``user``, ``metadata``, ``store``, ``service_tier``,
 ``parallel_tool_calls``) are accepted. vLLM's request extensions are honoured:
-``return_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``spaces_between_special_tokens``, ``truncate_prompt_tokens``,
-``stream_options.continuous_usage_stats``, and on chat ``echo``, ``add_generation_prompt``,
-``continue_final_message``, ``prompt_logprobs``. samebits adds ``seed`` to each choice and to the
+``return_token_ids``, ``return_tokens_as_token_ids``, ``allowed_token_ids``, ``bad_words``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``truncate_prompt_tokens``, ``stream_options.continuous_usage_stats`` (with ``include_usage``),
+and on chat ``echo``, ``add_generation_prompt``, ``continue_final_message``,
+``prompt_logprobs``. samebits adds ``seed`` to each choice and to the
 response: the seed a choice was sampled with, drawn by the engine when the request gave none, so
 any answer can be replayed.
 """
@@ -39,8 +40,9 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False  # a last chunk with the request's usage
-    continuous_usage_stats: bool = False  # vLLM: every chunk carries its choice's usage so far
+    include_usage: bool | None = False  # a last chunk with the request's usage (None: no)
+    # vLLM: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
     include_obfuscation: bool | None = None  # no effect: samebits adds no obfuscation padding
 
 
@@ -104,6 +106,7 @@ class SamplingFields(_Request):
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
     # vLLM's extensions (SamplingParams fields of the same names, but return_token_ids):
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
@@ -114,13 +117,7 @@ class SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[int, float] | None:
-        if value is None:
-            return None
-        for k in value:
-            if not (k.isascii() and k.isdigit()):
-                raise ValueError(f"key {k!r} is not a token id (a non-negative integer, as a "
-                                 "string)")
-        return {int(k): v for k, v in value.items()}
+        return token_id_keys(value)
 
     @field_validator("stream_options")
     @classmethod
@@ -149,6 +146,16 @@ class SamplingFields(_Request):
                               structured_outputs=structured, **given, **extra)
 
 
+def token_id_keys(value: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its JSON string keys as token ids; a key that is not one is named."""
+    if value is None:
+        return None
+    for k in value:
+        if not (k.isascii() and k.isdigit()):
+            raise ValueError(f"key {k!r} is not a token id (a non-negative integer, as a string)")
+    return {int(k): v for k, v in value.items()}
+
+
 _SAMPLING_FIELDS = (  # request fields that are SamplingParams fields of the same name
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "logit_bias", "presence_penalty", "frequency_penalty",
@@ -165,7 +172,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # with --enable-prompt-tokens-details (vLLM's flag), else null as vLLM's
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):

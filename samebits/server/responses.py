@@ -134,8 +134,8 @@ def conversation(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _sampling_params(req: ResponsesRequest, max_tokens: int,
                      spec: StructuredOutputsParams | None) -> SamplingParams:
-    given = {k: v for k, v in dict(temperature=req.temperature, top_p=req.top_p,
-                                   seed=req.seed).items() if v is not None}
+    given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
+             if getattr(req, name) is not None}
     logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) else None
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=spec,
@@ -145,6 +145,11 @@ def _sampling_params(req: ResponsesRequest, max_tokens: int,
     if error.param == "max_tokens":  # the wire name of SamplingParams.max_tokens
         raise APIError(400, f"max_output_tokens: {error.message}", param="max_output_tokens")
     raise error
+
+
+_SAMPLING_FIELDS = (  # request fields that are SamplingParams fields of the same name
+    "temperature", "top_p", "top_k", "seed", "repetition_penalty", "logit_bias", "stop",
+    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 
 def _echoed(req: ResponsesRequest, tools: list[Tool]) -> dict[str, Any]:

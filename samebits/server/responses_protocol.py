@@ -5,8 +5,10 @@ response object and the stream's events, as OpenAI's, with samebits' ``seed`` an
 samebits serves it statelessly: nothing is stored (``store`` is accepted, ``previous_response_id``
 is a 400 saying so). Fields that would change the answer and that samebits does not honour are
 400s naming them (``reasoning``, ``truncation: "auto"``, non-function tools, media input, ...);
-fields with no effect on the output are accepted. Input content is text only (a list of text
-parts is joined as chat joins it: ``join_text_parts``).
+fields with no effect on the output are accepted. vLLM's extensions of this endpoint that are
+``SamplingParams`` fields are honoured (``top_k``, ``repetition_penalty``, ``logit_bias``,
+``stop``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``). Input content
+is text only (a list of text parts is joined as chat joins it: ``join_text_parts``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import (
     field_validator,
 )
 
+from samebits.server.protocol import token_id_keys
 from samebits.server.protocol_chat import TokenLogprob
 from samebits.text.chat_template import join_text_parts
 
@@ -180,6 +183,19 @@ class ResponsesRequest(_Request):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
+    # vLLM's extensions, SamplingParams fields of the same names (what guidellm sends):
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> [-100, 100]
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[int, float] | None:
+        return token_id_keys(value)
 
     @field_validator("reasoning", "max_tool_calls", "background", "truncation", mode="before")
     @classmethod

@@ -80,7 +80,7 @@ async def _events(ctx: ServingContext, req: ResponsesRequest, plan: ToolPlan,
     tools = ToolStream(plan)
     pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
     out: CompletionOutput | None = None
-    async for d in deltas(group):
+    async for d in deltas(ctx, group):
         out = d.output
         content, calls = tools.push(d.text)  # the engine's text, streamed
         if out is not None:

@@ -33,7 +33,7 @@ from samebits.server.async_engine import (
 from samebits.server.errors import APIError, from_value_error
 from samebits.server.output_hash import HEADER, output_hash
 from samebits.server.protocol import ErrorResponse, PromptTokensDetails, SamplingFields, Usage
-from samebits.server.tokens import TokenText
+from samebits.server.tokens import TokenIds, TokenText
 from samebits.structured_outputs import StructuredOutputsParams
 from samebits.text.tokenizer import Tokenizer
 
@@ -51,6 +51,11 @@ class ServingContext:
     grammars: GrammarCompiler | None = None  # structured output (the engine's compiler)
     max_logprobs: int = 20  # the most logprobs a request may ask for (--max-logprobs)
     aliases: tuple[str, ...] = ()  # other names clients may send for this model
+    prompt_tokens_details: bool = False  # usage reports cached prompt tokens (vLLM's flag)
+
+    def shown_tokens(self, as_ids: bool) -> TokenText | TokenIds:
+        """How logprobs name tokens: by text, or by id (``return_tokens_as_token_ids``)."""
+        return TokenIds() if as_ids else self.token_text
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.aliases:
@@ -145,15 +150,26 @@ async def submit(ctx: ServingContext, group: RequestGroup) -> int:
     return group.seed
 
 
-async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
-    """Every delta of the group until each request has finished; raises on an engine error."""
+async def deltas(ctx: ServingContext, group: RequestGroup) -> AsyncIterator[Delta]:
+    """Every delta of the group until each request has finished; raises on an engine error.
+    Each finished request's token counts go to the per-request metrics."""
     remaining = len(group.request_ids)
     while remaining:
         delta = await group.queue.get()
         if delta.error is not None:
             raise APIError(delta.error_status, delta.error)
-        remaining -= delta.output is not None
+        if delta.output is not None:
+            remaining -= 1
+            _record_finished(ctx, group, delta)
         yield delta
+
+
+def _record_finished(ctx: ServingContext, group: RequestGroup, delta: Delta) -> None:
+    j, metrics = delta.index, ctx.engine.metrics
+    metrics.request_finished(len(group.prompts[j]), len(delta.output.token_ids),
+                             delta.cached_tokens)
+    if group.seed_offsets[j] == 0:  # once per prompt: its first candidate
+        metrics.request_params(group.params[j].n, group.params[j].max_tokens)
 
 
 async def collect(ctx: ServingContext, group: RequestGroup, request: Request
@@ -161,7 +177,7 @@ async def collect(ctx: ServingContext, group: RequestGroup, request: Request
     """Wait for all outputs; a client that disconnects first aborts the group."""
     outputs: list[CompletionOutput | None] = [None] * len(group.request_ids)
     watcher = asyncio.create_task(_wait_disconnect(request))
-    waiter = asyncio.ensure_future(_gather(group, outputs))
+    waiter = asyncio.ensure_future(_gather(ctx, group, outputs))
     try:
         done, _ = await asyncio.wait({watcher, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if waiter not in done:
@@ -174,8 +190,8 @@ async def collect(ctx: ServingContext, group: RequestGroup, request: Request
             ctx.engine.abort(group.request_ids)
 
 
-async def _gather(group: RequestGroup, outputs: list) -> list[CompletionOutput]:
-    async for delta in deltas(group):
+async def _gather(ctx: ServingContext, group: RequestGroup, outputs: list) -> list[CompletionOutput]:
+    async for delta in deltas(ctx, group):
         if delta.output is not None:
             outputs[delta.index] = delta.output
     return outputs
@@ -186,14 +202,16 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def usage(prompts: list[list[int]], outputs: list[CompletionOutput], cached: int) -> Usage:
+def usage(ctx: ServingContext, prompts: list[list[int]], outputs: list[CompletionOutput],
+          cached: int) -> Usage:
     """Each prompt counted once; every generated token counted (best_of's unchosen too);
-    ``cached``: prompt tokens read from the prefix cache."""
+    ``cached``: prompt tokens read from the prefix cache, reported as
+    ``prompt_tokens_details.cached_tokens`` when the server was asked to (as vLLM)."""
     prompt = sum(len(p) for p in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
+    details = PromptTokensDetails(cached_tokens=cached) if ctx.prompt_tokens_details else None
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 total_tokens=prompt + completion, prompt_tokens_details=details)
 
 
 def cached_tokens(group: RequestGroup, candidates: int) -> int:

@@ -48,13 +48,14 @@ def reply_logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: l
     """The tokens' logprobs in the chat shape, when the request asked for them."""
     if not req.logprobs:
         return None
-    return chat_logprobs(ctx.token_text, token_ids, logprobs, top, req.top_logprobs or 0)
+    return chat_logprobs(ctx.shown_tokens(req.return_tokens_as_token_ids), token_ids, logprobs,
+                         top, req.top_logprobs or 0)
 
 
 async def chat_events(ctx: ServingContext, reply: ChatReply, group: RequestGroup, header: dict
                       ) -> AsyncIterator[ChatCompletionChunk]:
     """The stream's chunks, then the usage chunk when ``stream_options.include_usage`` asks."""
-    req, incoming = reply.req, deltas(group)
+    req, incoming = reply.req, deltas(ctx, group)
     first: Delta | None = None
     prompt_lps = None
     if req.prompt_logprobs is not None:  # the first delta carries them
@@ -69,7 +70,7 @@ async def chat_events(ctx: ServingContext, reply: ChatReply, group: RequestGroup
         yield choices.chunk(d)
     if include_usage(req.stream_options):
         yield ChatCompletionChunk(**header, choices=[], usage=usage(
-            group.prompts[:1], choices.finals, cached_tokens(group, len(choices.finals))))
+            ctx, group.prompts[:1], choices.finals, cached_tokens(group, len(choices.finals))))
 
 
 def _opening(reply: ChatReply, group: RequestGroup, header: dict,

@@ -56,7 +56,7 @@ async def completion_events(ctx: ServingContext, req: CompletionRequest, group: 
     choices = [_Choice() for _ in group.params]
     finals: list[CompletionOutput] = [None] * len(group.params)  # type: ignore[list-item]
     live = continuous(req.stream_options)
-    async for d in deltas(group):
+    async for d in deltas(ctx, group):
         if d.output is not None:
             finals[d.index] = d.output
         state, prompt = choices[d.index], group.prompts[d.index]
@@ -69,7 +69,7 @@ async def completion_events(ctx: ServingContext, req: CompletionRequest, group: 
                                  usage=chunk_usage(len(prompt), state.tokens) if live else None)
     if include_usage(req.stream_options):
         yield CompletionResponse(**header, choices=[], usage=usage(
-            group.prompts[::req.n], finals, cached_tokens(group, req.n)))
+            ctx, group.prompts[::req.n], finals, cached_tokens(group, req.n)))
 
 
 def _chunk_choice(ctx: ServingContext, req: CompletionRequest, d: Delta, state: _Choice,
@@ -95,7 +95,7 @@ def _logprobs(ctx: ServingContext, req: CompletionRequest, d: Delta, state: _Cho
     chunk, with ``echo``: their text offsets start at 0, as the non-streamed choice's)."""
     if req.logprobs is None:
         return None
-    tt = ctx.token_text
+    tt = ctx.shown_tokens(req.return_tokens_as_token_ids)
     if echoed is None:
         out = completion_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, state.offset)
         state.offset += text_length(tt, d.token_ids)

@@ -4,7 +4,9 @@
 As vLLM, they live outside ``/v1`` and are not behind ``--api-key``; ``model`` is optional. A
 prompt's special-token text (``<|im_end|>``) maps to its id; ``add_special_tokens`` decides only
 what the tokenizer adds around the text (default true for ``prompt``, false for ``messages``,
-whose chat template places them).
+whose chat template places them). ``messages`` are rendered as ``/v1/chat/completions`` renders
+them (``tools``, ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``),
+so their ids are the chat request's prompt ids.
 
 Bounded work: besides ``--max-request-bytes``, a text or token list may hold at most
 ``TOKENIZE_LIMIT_FACTOR`` times the context (``--max-model-len``) tokens (lm-eval tokenizes whole
@@ -22,10 +24,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, model_validator
 
 import samebits
+from samebits.server.chat import template_message
 from samebits.server.errors import APIError
 from samebits.server.protocol import _Request
 from samebits.server.protocol_chat import ChatMessage
+from samebits.server.protocol_tools import Tool
 from samebits.server.serving import ServingContext
+from samebits.text.chat_template import render_chat
 
 TOKENIZE_LIMIT_FACTOR = 32  # /tokenize and /detokenize: at most this many contexts of tokens
 
@@ -35,7 +40,11 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: true for prompt, false for messages
-    add_generation_prompt: bool = True  # messages only
+    # messages only, rendered as /v1/chat/completions renders them:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -43,6 +52,13 @@ class TokenizeRequest(_Request):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt or messages")
         return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The messages' rendering options, as ``render_chat`` takes them."""
+        return dict(tools=[t.model_dump(exclude_none=True) for t in self.tools or ()],
+                    template_kwargs=self.chat_template_kwargs,
+                    add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message)
 
 
 class TokenizeResponse(BaseModel):
@@ -70,10 +86,9 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     """The response (blocking: run it in a worker thread)."""
     tok = _tokenizer(ctx, req.model)
     if req.messages is not None:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
         try:
-            text = tok.apply_chat_template(messages, req.add_generation_prompt)
+            text = render_chat(tok, [template_message(m) for m in req.messages],
+                               **req.chat_fields())
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         special, param = bool(req.add_special_tokens), "messages"

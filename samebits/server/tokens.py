@@ -42,3 +42,13 @@ class TokenText:
             else:
                 raw = tok.decode([token_id], skip_special_tokens=False).encode()
         return raw.decode("utf-8", errors="replace"), raw
+
+
+class TokenIds:
+    """id -> ("token_id:<id>", its bytes): vLLM's ``return_tokens_as_token_ids``, which names
+    each logprob's token by its id (texts that do not decode alone stay unambiguous)."""
+
+    @staticmethod
+    def get(token_id: int) -> tuple[str, bytes]:
+        text = f"token_id:{token_id}"
+        return text, text.encode()

@@ -1,6 +1,7 @@
 """Real ``samebits serve`` processes on loopback (a free port each), shared by the server tests.
 
-``server``: the batch-invariant numerics, behind two API keys. ``standard_server``: ``--standard``,
+``server``: the batch-invariant numerics, behind two API keys, reporting cached prompt tokens
+(``--enable-prompt-tokens-details``). ``standard_server``: ``--standard``,
 no key (the negative control). Both use the default SmolLM2-135M model with a 1024-token context.
 """
 
@@ -121,7 +122,8 @@ def _wait_ready(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    yield from start_server("--api-key", SECOND_API_KEY, api_key=API_KEY)
+    yield from start_server("--api-key", SECOND_API_KEY, "--enable-prompt-tokens-details",
+                            api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

@@ -59,10 +59,22 @@ def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(server):
     assert [u["completion_tokens"] for u in usages[:-1]] == list(range(1, 7))
     assert {u["prompt_tokens"] for u in usages} == {whole.usage.prompt_tokens}
     assert usages[-1]["completion_tokens"] == whole.usage.completion_tokens
-    chat = _stream_chunks(server, "/v1/chat/completions", dict(
-        model=MODEL, messages=ASK, max_tokens=4, temperature=0,
-        stream_options={"continuous_usage_stats": True}))
-    assert [c["usage"]["completion_tokens"] for c in chat] == [0, 1, 2, 3, 4]
+    chat = dict(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
+    usages = [c["usage"]["completion_tokens"] for c in _stream_chunks(
+        server, "/v1/chat/completions", dict(chat, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}))]
+    assert usages == [0, 1, 2, 3, 4, 4]  # the role chunk, the tokens, the usage chunk
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", GREEDY),
+    ("/v1/chat/completions", dict(model=MODEL, messages=ASK, max_tokens=4, temperature=0))])
+def test_continuous_usage_stats_without_include_usage_adds_no_usage(server, path, body):
+    """As vLLM: continuous_usage_stats only acts with include_usage (null counts as false)."""
+    for options in ({"continuous_usage_stats": True},
+                    {"include_usage": None, "continuous_usage_stats": True}):
+        chunks = _stream_chunks(server, path, dict(body, stream_options=options))
+        assert chunks and all(c.get("usage") is None for c in chunks)
 
 
 def test_return_token_ids_whole_and_streamed(server):
