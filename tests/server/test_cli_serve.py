@@ -51,10 +51,11 @@ def test_vllm_flags_are_accepted_with_their_meaning():
     args = _serve("--no-enable-prefix-caching", "--max-logprobs", "5", "--tokenizer", "tok",
                   "--served-model-name", "a", "b", "--trust-remote-code",
                   "--disable-log-requests", "--enable-auto-tool-choice",
-                  "--tool-call-parser", "hermes")
+                  "--tool-call-parser", "hermes", "--enable-prompt-tokens-details")
     assert not EngineConfig.from_cli_args(args).enable_prefix_caching
     assert EngineConfig.from_cli_args(_serve("--enable-prefix-caching")).enable_prefix_caching
     assert (args.max_logprobs, args.tokenizer, args.served_model_name) == (5, "tok", ["a", "b"])
+    assert args.enable_prompt_tokens_details
     for bad in (["--max-logprobs", "21"], ["--tool-call-parser", "mistral"], ["--port", "99999"]):
         with pytest.raises(SystemExit):
             _serve(*bad)
@@ -138,7 +139,13 @@ def test_the_served_app_answers_to_every_name(tiny_config):
             "vllm:time_to_first_token_seconds_count": 1.0,
             "vllm:inter_token_latency_seconds_count": 1.0,
             "vllm:e2e_request_latency_seconds_count": 1.0,
-            "vllm:request_success_total": 1.0}
+            "vllm:request_success_total": 1.0,
+            "vllm:request_prompt_tokens_sum": float(out["usage"]["prompt_tokens"]),
+            "vllm:request_generation_tokens_sum": 2.0, "vllm:request_params_n_count": 1.0,
+            "vllm:request_params_max_tokens_sum": 2.0,
+            "vllm:prefix_cache_queries_total": float(out["usage"]["prompt_tokens"]),
+            "vllm:prefix_cache_hits_total": 0.0, "vllm:cache_config_info": 1.0}
+        assert out["usage"]["prompt_tokens_details"] is None  # vLLM's default
 
 
 def _vllm_metrics(text: str) -> dict[str, float]:
@@ -147,12 +154,15 @@ def _vllm_metrics(text: str) -> dict[str, float]:
               "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
               "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
               "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
-              "vllm:request_success_total"}
+              "vllm:request_success_total", "vllm:request_prompt_tokens_sum",
+              "vllm:request_generation_tokens_sum", "vllm:request_params_n_count",
+              "vllm:request_params_max_tokens_sum", "vllm:prefix_cache_queries_total",
+              "vllm:prefix_cache_hits_total", "vllm:cache_config_info"}
     found = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
-                assert sample.labels["model_name"] == "a", sample
+                assert sample.labels.get("model_name", "a") == "a", sample
                 found[sample.name] = found.get(sample.name, 0.0) + sample.value
     return found
 

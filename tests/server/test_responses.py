@@ -38,9 +38,9 @@ class Weather(BaseModel):  # nested: City is a $defs entry of its schema
 
 def _chat(server, **kw):
     r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=120,
-                   json=dict(model=MODEL, max_tokens=6, temperature=0.8, seed=5, logprobs=True,
-                             messages=[{"role": "system", "content": INSTRUCTIONS},
-                                       {"role": "user", "content": QUESTION}], **kw))
+                   json={**dict(model=MODEL, max_tokens=6, temperature=0.8, seed=5, logprobs=True,
+                                messages=[{"role": "system", "content": INSTRUCTIONS},
+                                          {"role": "user", "content": QUESTION}]), **kw})
     assert r.status_code == 200, r.text
     return r
 
@@ -62,6 +62,25 @@ def test_create_answers_as_chat_bit_for_bit(server):
         body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.model_extra["system_fingerprint"] == body["system_fingerprint"]
+
+
+def test_vllm_sampling_extensions_act_as_on_chat(server):
+    """vLLM's extensions of the Responses body (what guidellm's responses mode sends: stop,
+    ignore_eos) act as the same chat fields do."""
+    client = server.client()
+    greedy = dict(model=MODEL, max_output_tokens=12, temperature=0.0)
+    free = client.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **greedy)
+    stop = free.output_text.split()[2]  # a word the answer reaches
+    for extra in ({"stop": [stop]}, {"stop": stop, "include_stop_str_in_output": True},
+                  {"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.1}):
+        out = client.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **greedy,
+                                      extra_body=extra)
+        chat = _chat(server, max_tokens=12, temperature=0.0, **extra).json()["choices"][0]
+        assert out.output_text == chat["message"]["content"], extra
+    assert out.usage.output_tokens == 12
+    bad = httpx.post(f"{server.url}/v1/responses", headers=server.headers, timeout=60,
+                     json=dict(model=MODEL, input="hi", logit_bias={"x": 1}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
 
 
 def test_stream_sends_openais_events_and_adds_up_to_the_whole_response(server):

@@ -57,3 +57,18 @@ def test_bad_tokenizer_requests_get_400_or_404(server):
     assert _post(server, "/tokenize").status_code == 400
     assert _post(server, "/detokenize", tokens=[10**9]).json()["error"]["param"] == "tokens"
     assert _post(server, "/tokenize", model="nope", prompt="a").status_code == 404
+
+
+def test_tokenize_messages_are_the_chat_requests_prompt_ids(server):
+    """/tokenize renders messages as /v1/chat/completions does: tools, continue_final_message."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    history = [*CHAT, {"role": "assistant", "content": "Hi! The weather"}]
+    for body in (dict(messages=CHAT, tools=tools),
+                 dict(messages=history, add_generation_prompt=False,
+                      continue_final_message=True)):
+        got = _post(server, "/tokenize", **body)
+        assert got.status_code == 200, got.text
+        chat = _post(server, "/v1/chat/completions", model=MODEL, max_tokens=1,
+                     return_token_ids=True, **body).json()
+        assert got.json()["tokens"] == chat["prompt_token_ids"]

@@ -96,6 +96,26 @@ def test_return_token_ids_whole_and_streamed(server):
     assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    """vLLM's ``return_tokens_as_token_ids``: "token_id:<id>" for every logprob token, whole and
+    streamed, completions and chat; the ids are the output's token ids."""
+    client = server.client()
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(**GREEDY, logprobs=2, extra_body=ids).choices[0]
+    tokens = whole.model_extra["token_ids"]
+    assert whole.logprobs.tokens == [f"token_id:{t}" for t in tokens]
+    assert all(k.startswith("token_id:") for top in whole.logprobs.top_logprobs for k in top)
+    chunks = _stream_chunks(server, "/v1/completions", dict(GREEDY, logprobs=2, **ids))
+    assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == \
+        whole.logprobs.tokens
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=1, extra_body=ids)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [
+        f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert bytes(content[0].bytes).decode() == content[0].token
+
+
 def test_allowed_token_ids_and_bad_words_mask_the_answer(server):
     client = server.client()
     plain = client.completions.create(**GREEDY, extra_body={"return_token_ids": True})
