@@ -197,7 +197,7 @@ class TPGroup:
         return released
 
     def _left(self) -> None:
-        self.connected = False
+        self.connected, self.cpu_group = False, None
         if self.trace is not None:
             self.trace.close()
             self.trace = None
@@ -218,8 +218,8 @@ def check_free() -> None:
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "tensor parallel: torch.distributed's default process group is already initialized "
-            "in this process (by other code, or an engine that was not shut down); destroy it "
-            "or start the engine in a new process")
+            "in this process (by other code, or an engine that was not shut down or whose "
+            "release failed); destroy it or start the engine in a new process")
 
 
 def run_bounded(fn: Callable[[], object], seconds: float, name: str
@@ -253,8 +253,8 @@ def _open_trace(rank: int) -> TextIO | None:
 
 def _release_process_group(device_type: str) -> None:
     """Every process group of this process, released locally: on CUDA aborted (NCCL's abort waits
-    for no peer; finalize and destroy would), on CPU destroyed (gloo's destroy is local); either
-    way torch.distributed has no default group afterwards, so a new one can be formed."""
+    for no peer), on CPU destroyed (gloo's destroy is local); either way torch.distributed has no
+    default group afterwards, so a new one can be formed."""
     if not dist.is_initialized():
         return
     if device_type == "cuda" and hasattr(dist.distributed_c10d, "_abort_process_group"):

@@ -11,12 +11,13 @@ exception), the next call, or the collective rank 0 waits in, raises ``RankFaile
 the rank (gloo fails a collective whose peer closed its connection; an NCCL group is aborted).
 Shutdown (``Ranks.close``; also when the runner is collected, and at exit) never waits on a
 collective teardown, and returns within ``STOP_GRACE_S`` + ``KILL_WAIT_S`` +
-``group.RELEASE_TIMEOUT_S``: rank 0 destroys its CUDA graphs (an NCCL communicator cannot be
-released while a graph that captured its collectives lives), tells the ranks to stop -- each drops
-its graphs, waits for its device and exits (``os._exit``) without touching the process group --
-waits for them to exit, kills those that did not, then releases its own side of the group alone
-(``TPGroup.leave``: local, bounded; a release that hangs is reported and left in a daemon thread).
-Afterwards this process can start another tensor-parallel engine.
+``group.RELEASE_TIMEOUT_S`` (25 s; well under a second when the ranks exit when told): rank 0
+destroys its CUDA graphs (an NCCL communicator cannot be released while a graph that captured its
+collectives lives), tells the ranks to stop -- each drops its graphs, waits for its device and
+exits (``os._exit``) without touching the process group --, waits for them to exit, kills those
+that did not, then releases its own side of the group alone (``TPGroup.leave``: local, bounded; a
+release that hangs is reported and left in a daemon thread). Afterwards this process can start
+another tensor-parallel engine.
 """
 
 from __future__ import annotations
@@ -226,26 +227,29 @@ class Ranks:
         self.closing = True
         self._release_graphs()
         group = self.group
+        deadline = time.monotonic() + STOP_GRACE_S
         told = (group is not None and group.connected and self.serving and self.failure is None
                 and run_bounded(lambda: group.broadcast_object(("stop", ())), STOP_GRACE_S,
                                 "telling the ranks to stop")[0])
-        clean = self._reap(STOP_GRACE_S if told else 0.0)
+        clean = self._reap(deadline if told else 0.0)
         if not clean and told:
             log.warning("tensor parallel: a rank did not exit when told to stop; it was killed")
         if group is not None:
             group.leave(synchronize=clean)
 
-    def _reap(self, grace: float) -> bool:
-        """Wait up to ``grace`` seconds for the ranks to exit, kill those still running; True when
-        every rank exited by itself with code 0."""
-        deadline = time.monotonic() + grace
+    def _reap(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic``) for the ranks to exit, then kill those
+        still running and give them ``KILL_WAIT_S`` in all to be gone; True when every rank
+        exited by itself with code 0."""
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         clean = all(p.exitcode == 0 for p in self.procs.values())
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-                proc.join(KILL_WAIT_S)
+        killed = [p for p in self.procs.values() if p.is_alive()]
+        for proc in killed:
+            proc.kill()
+        gone = time.monotonic() + KILL_WAIT_S
+        for proc in killed:
+            proc.join(max(0.0, gone - time.monotonic()))
         return clean
 
 
