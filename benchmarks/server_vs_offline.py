@@ -31,8 +31,8 @@ elapsed and left of ``--budget-s``); every wait has a timeout that ends in a cle
 server's stacks and log); each run's line and each figure go to stdout (and ``--out``) as soon as
 measured, flushed, so a run cut short still returns what it measured. All servers and the offline
 engines start at once; a round that would not fit in the budget left is skipped (and says so); a
-watchdog ends a run that hangs past the budget with every thread's stack. The servers run in a
-session of their own and are always stopped.
+watchdog ends a run that hangs past the budget with every thread's stack; SIGTERM (``timeout``)
+diagnoses and stops too. The servers run in a process group of their own and are always stopped.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -382,16 +383,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class Terminated(BaseException):
+    """SIGTERM: the run is stopped from outside (``timeout``)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated("SIGTERM: the run was stopped from outside")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     clock, emit = Clock(BENCH, args.budget_s), Emitter(args.out)
     emit(config=vars(args))
     bench = Bench(args, clock, emit)
     clock.watch(bench.close)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         bench.run()
         return 0
-    except Exception as e:  # reported, diagnosed, and the run ends
+    except (Exception, Terminated) as e:  # reported, diagnosed, and the run ends
         clock.phase("error", error=f"{type(e).__name__}: {e}")
         emit(error=f"{type(e).__name__}: {e}", elapsed_s=round(clock.elapsed(), 1))
         bench.diagnose()

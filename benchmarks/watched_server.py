@@ -1,7 +1,7 @@
 """A ``samebits serve`` subprocess that a benchmark can always stop and always diagnose.
 
-It runs in a session of its own, with its engine process, so ``stop`` ends every process it
-started (SIGTERM to the group, SIGKILL to what is left after ``timeout``). Its output goes to a log
+It runs in a process group of its own, with its engine process, so ``stop`` ends every process
+it started (SIGTERM to the group, SIGKILL to what is left after ``timeout``). Its output goes to a log
 file: a server that exits or hangs while starting raises with the log's tail, and ``diagnose``
 gives the tail after asking every process of the group for its threads' stacks (``py-spy dump``
 where installed; else SIGUSR1, on which the engine process writes its stacks to that log).
@@ -43,8 +43,9 @@ class WatchedServer:
                                                delete=False)
         env = {k: v for k, v in os.environ.items() if k != "SAMEBITS_API_KEY"}
         env["PYTHONUNBUFFERED"] = "1"
+        # a process group of its own (not a session: whatever ends this run's session ends it)
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     process_group=0)
 
     def wait_ready(self, timeout: float) -> None:
         """Until /health answers 200 and the served model is known; raises (with the log's tail)
