@@ -38,6 +38,7 @@ diagnoses and stops too. The servers run in a process group of their own and are
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -45,14 +46,17 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
-from bench_clock import Clock
+from bench_clock import BudgetSpent, Clock
 from http_load import ClientPool, Share, first_token_s
-from watched_server import WatchedServer
+from spy_profile import Spy
+from watched_server import WatchedServer, is_engine_process
 
 BENCH = "server_vs_offline"
 TARGETS = {"cpu": 0.95, "cuda": 0.9}  # served / offline tok/s, non-streamed and streamed
@@ -82,9 +86,13 @@ class Emitter:
 
 
 # ---- offline ---------------------------------------------------------------------------------
-def offline_engine(opts: dict, invariant: bool):
-    from samebits import LLM  # here: spawned client processes import this script
+def offline_engine(opts: dict, invariant: bool, threads: int | None):
+    import torch  # here: spawned client processes import this script
 
+    from samebits import LLM
+
+    if threads:
+        torch.set_num_threads(threads)
     return LLM(**opts, batch_invariant=invariant)
 
 
@@ -214,14 +222,15 @@ class Bench:
     def start(self) -> None:
         """Every server, the client processes and every offline engine, all at once."""
         a, opts = self.args, engine_options(self.args)
+        env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
         for mode in a.modes:
-            self.servers[mode] = WatchedServer(server_args(opts, mode, a.serve_args), mode)
+            self.servers[mode] = WatchedServer(server_args(opts, mode, a.serve_args), mode, env)
             self.clock.phase("server_starting", mode=mode, pid=self.servers[mode].proc.pid,
                              log=self.servers[mode].log.name)
         self.pool = ClientPool(a.client_processes)
         for mode in a.modes:
             t0 = time.monotonic()
-            self.llms[mode] = offline_engine(opts, mode == "invariant")
+            self.llms[mode] = offline_engine(opts, mode == "invariant", a.threads)
             self.clock.phase("offline_engine_ready", mode=mode, s=round(time.monotonic() - t0, 1))
         self.vocab = self.llms[a.modes[0]].engine.loaded.model_config.vocab_size
         self.pool.wait_ready(self.clock.timeout(a.start_timeout_s, "the client processes"))
@@ -287,6 +296,26 @@ class Bench:
                 "offline_in_steps_ms": statistics.median(in_steps),
                 "served_ms": statistics.median(served), "served_in_engine_ms": engine}
 
+    def profile(self, mode: str) -> None:
+        """One more served run of each kind with py-spy on the server's processes: a line each
+        with where the API process's event loop and the engine process's core spent their time
+        (benchmarks/spy_profile.py). Not counted in the figures."""
+        a, server = self.args, self.servers[mode]
+        engine = [p for p in server.pids()[1:] if is_engine_process(p)]
+        pids = {"api": server.pids()[0], **({"engine": engine[0]} if engine else {})}
+        load = Load(_prompts(a.requests, a.prompt_len, self.vocab, 30_000), a.max_tokens,
+                    a.concurrency)
+        for key, stream in (("served", False), ("served_stream", True)):
+            self.clock.phase("profile", mode=mode, run=key)
+            spy = Spy(pids, a.profile_dir, f"{mode}-{key}")
+            try:
+                rate, _, diag = served_run(server, self.pool, load, stream, a, self._run_timeout())
+            finally:
+                summary = spy.stop()
+            for process, row in summary.items():
+                self.emit(mode=mode, profile=key, process=process, tok_s=round(rate, 1),
+                          ms_per_step=diag["ms_per_step"], **row)
+
     def _run_timeout(self) -> float:
         return self.clock.timeout(self.args.run_timeout_s, "a served run")
 
@@ -320,6 +349,17 @@ class Bench:
             for mode in self.args.modes:
                 self.round(mode, r)
             last = time.monotonic() - t0
+            if r == 0 and self.args.profile:
+                self._profile_if_it_fits(last)
+
+    def _profile_if_it_fits(self, round_s: float) -> None:
+        mode = self.args.modes[0]
+        if not Spy.available():
+            self.clock.phase("profile_skipped", why="py-spy is not on PATH")
+        elif self.clock.left() < 0.5 * round_s + self.args.stop_margin_s:
+            self.clock.phase("profile_skipped", why="the budget left is too short")
+        else:
+            self.profile(mode)
 
     def diagnose(self) -> None:
         for mode, server in self.servers.items():
@@ -353,6 +393,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="default: 3; --quick: 2")
     p.add_argument("--modes", nargs="+", default=["invariant", "standard"],
                    choices=["invariant", "standard"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads of both engines "
+                   "(OMP_NUM_THREADS for the server); default: torch's. On a small shared CPU, 1 "
+                   "leaves the server's event loop and the clients a core of their own and keeps "
+                   "the compute threads from waiting for each other")
     p.add_argument("--quick", action="store_true", help="fewer rounds and TTFT pairs, and a "
                    "budget of 220 s unless --budget-s says otherwise")
     p.add_argument("--budget-s", type=float, default=None, help="the whole run's seconds: waits "
@@ -364,6 +408,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--stop-margin-s", type=float, default=15.0,
                    help="seconds of the budget kept for stopping the servers")
+    p.add_argument("--profile", action="store_true", help="after the first round, one more "
+                   "served run of each kind under py-spy (when on PATH): where the event loop and "
+                   "the engine core spent their time, a JSON line per process")
+    p.add_argument("--profile-dir", default=None, help="py-spy's raw files (default: beside "
+                   "--out, else a temporary directory)")
     p.add_argument("--out", default=None, help="also append the result lines to this file")
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="more options for samebits serve (last on the line), e.g. "
@@ -380,6 +429,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
     if args.quick and args.budget_s is None:
         args.budget_s = 220.0
+    if args.profile_dir is None:
+        args.profile_dir = (os.path.dirname(os.path.abspath(args.out)) if args.out
+                            else tempfile.mkdtemp(prefix="samebits-svo-"))
     return args
 
 
@@ -403,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (Exception, Terminated) as e:  # reported, diagnosed, and the run ends
         clock.phase("error", error=f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        if isinstance(e, Terminated | BudgetSpent):  # where every thread of this run was
+            faulthandler.dump_traceback(all_threads=True)
         emit(error=f"{type(e).__name__}: {e}", elapsed_s=round(clock.elapsed(), 1))
         bench.diagnose()
         return 1

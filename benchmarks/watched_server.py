@@ -32,8 +32,10 @@ def free_port() -> int:
 
 
 class WatchedServer:
-    def __init__(self, serve_args: list[str], name: str) -> None:
-        """Start ``samebits serve *serve_args`` on a free loopback port (returns at once)."""
+    def __init__(self, serve_args: list[str], name: str, env: dict[str, str] | None = None
+                 ) -> None:
+        """Start ``samebits serve *serve_args`` on a free loopback port (returns at once), with
+        ``env`` added to the environment."""
         self.name, port = name, free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.model: str | None = None  # the served name, once ready
@@ -41,8 +43,8 @@ class WatchedServer:
                 str(port), "--log-level", "warning", *serve_args]
         self.log = tempfile.NamedTemporaryFile("w", prefix=f"samebits-{name}-", suffix=".log",
                                                delete=False)
-        env = {k: v for k, v in os.environ.items() if k != "SAMEBITS_API_KEY"}
-        env["PYTHONUNBUFFERED"] = "1"
+        env = {**{k: v for k, v in os.environ.items() if k != "SAMEBITS_API_KEY"},
+               "PYTHONUNBUFFERED": "1", **(env or {})}
         # a process group of its own (not a session: whatever ends this run's session ends it)
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      process_group=0)
@@ -97,7 +99,7 @@ class WatchedServer:
         api, *children = self.pids()
         try:
             for p, (main, other) in ((api, keys[:2]),
-                                     *((c, keys[2:]) for c in children if _is_engine_process(c))):
+                                     *((c, keys[2:]) for c in children if is_engine_process(c))):
                 for tid in os.listdir(f"/proc/{p}/task"):
                     with open(f"/proc/{p}/task/{tid}/stat") as f:
                         fields = f.read().rsplit(")", 1)[1].split()
@@ -120,7 +122,7 @@ class WatchedServer:
                 r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
                                    text=True, timeout=30, check=False)
                 dumps.append(f"py-spy dump --pid {pid} (rc {r.returncode}):\n{r.stdout}{r.stderr}")
-            elif _is_engine_process(pid):  # faulthandler on SIGUSR1 (the resource tracker has
+            elif is_engine_process(pid):  # faulthandler on SIGUSR1 (the resource tracker has
                 os.kill(pid, signal.SIGUSR1)  # none: SIGUSR1 would end it)
         time.sleep(1.0)
         return "\n".join(dumps) + f"\n--- {self.log.name} ends:\n{self.log_tail(200)}"
@@ -145,7 +147,7 @@ class WatchedServer:
         self.log.close()
 
 
-def _is_engine_process(pid: int) -> bool:
+def is_engine_process(pid: int) -> bool:
     """A spawned multiprocessing child other than the resource tracker."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
