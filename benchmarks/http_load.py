@@ -123,11 +123,14 @@ class ClientPool:
             self._pool.map_async(_ready, range(self.processes), chunksize=1).get(timeout)
 
     def run(self, shares: list[Share], timeout: float) -> list[ShareResult]:
-        """Every share's result; a ``TimeoutError`` after ``timeout`` s (``multiprocessing``'s
-        from the client processes)."""
-        if self._pool is None or len(shares) == 1:
-            return [asyncio.run(asyncio.wait_for(_closed_loop(s), timeout)) for s in shares]
-        return self._pool.map_async(run_share, shares, chunksize=1).get(timeout)
+        """Every share's result; ``TimeoutError`` naming the wait after ``timeout`` s."""
+        try:
+            if self._pool is None or len(shares) == 1:
+                return [asyncio.run(asyncio.wait_for(_closed_loop(s), timeout)) for s in shares]
+            return self._pool.map_async(run_share, shares, chunksize=1).get(timeout)
+        except (TimeoutError, mp.TimeoutError):
+            raise TimeoutError(f"the clients' requests did not all finish in {timeout:.0f} s "
+                               "(--run-timeout-s, or the budget left)") from None
 
     def close(self) -> None:
         if self._pool is not None:

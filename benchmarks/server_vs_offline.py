@@ -18,13 +18,21 @@ compared with the offline one (``bits_equal_offline``).
 
 Time to first token: one request at a time, ``--ttft-requests`` pairs alternating an offline
 ``LLM.generate`` of ``max_tokens=1`` with the first SSE chunk of a served streamed request of 16
-tokens (fresh prompts each); the median per round, the best round.
+tokens (fresh prompts each); the median per round, the best round. Its line also gives the
+offline call's time in engine steps (``offline_in_steps_ms``) and, served, the time from the
+request's hand-over to the engine (``RequestGroup.arrival``, once parsed) to the end of the step
+that made its first token, from the server's TTFT histogram (``served_in_engine_ms``, a mean):
+the rest is HTTP in and the first chunk out.
 
 Where the time goes: each run's line gives its wall time, the engine steps it took and the
-milliseconds per step, and the CPU seconds spent (offline: this process; served: the server's
-event loop, the rest of its API process and its engine process, from /proc, and the clients'),
-so a served run that loses time shows whether it took more steps (a different schedule) or
-longer steps, and which process spent the CPU.
+milliseconds per step, and the CPU seconds spent (offline: this process; served, from /proc: the
+API process's event loop and other threads, the engine process's main thread (the core's loop)
+and other threads, and the clients), with ``loop_busy`` and ``engine_main_busy`` (CPU seconds
+over the wall time: near 1, that thread is the bottleneck; the engine's well below 1, it waited
+for requests). So a served run that loses time shows whether it took more steps (a different
+schedule) or longer steps, and which process spent the CPU. ``--profile`` adds one more served
+run of each kind under py-spy (benchmarks/spy_profile.py): where the event loop and the engine
+core spent their samples.
 
 Robust and diagnosable: every phase writes a JSON progress line to stderr at once (phase, seconds
 elapsed and left of ``--budget-s``); every wait has a timeout that ends in a clear error (with the
@@ -75,6 +83,8 @@ class Emitter:
     """Result lines: stdout and ``--out``, each flushed as it is written."""
 
     def __init__(self, path: str | None) -> None:
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.file: TextIO | None = open(path, "a") if path else None
 
     def __call__(self, **row: Any) -> None:
@@ -370,10 +380,11 @@ class Bench:
         """Stop every server and client process (also from the watchdog's thread)."""
         if self.pool is not None:
             self.pool.close()
+        for server in self.servers.values():
+            server.terminate()  # all at once: each drains while the others do
         for mode, server in self.servers.items():
             server.stop()
             self.clock.phase("server_stopped", mode=mode, returncode=server.proc.returncode)
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,

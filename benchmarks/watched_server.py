@@ -1,7 +1,7 @@
 """A ``samebits serve`` subprocess that a benchmark can always stop and always diagnose.
 
 It runs in a process group of its own, with its engine process, so ``stop`` ends every process
-it started (SIGTERM to the group, SIGKILL to what is left after ``timeout``). Its output goes to a log
+it started (SIGTERM to the group, then SIGKILL to what is left). Its output goes to a log
 file: a server that exits or hangs while starting raises with the log's tail, and ``diagnose``
 gives the tail after asking every process of the group for its threads' stacks (``py-spy dump``
 where installed; else SIGUSR1, on which the engine process writes its stacks to that log).
@@ -127,25 +127,29 @@ class WatchedServer:
         time.sleep(1.0)
         return "\n".join(dumps) + f"\n--- {self.log.name} ends:\n{self.log_tail(200)}"
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after ``timeout``."""
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if sig == signal.SIGTERM:  # anything of the group still there (the engine) goes
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            break
-        self.log.close()
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group (it drains, stops its engine, exits)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
+    def stop(self, timeout: float = 20.0) -> None:
+        """``terminate``, wait ``timeout`` s, then SIGKILL to whatever of the group is left."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the API process's children too (the engine process, the resource tracker)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
 
 def is_engine_process(pid: int) -> bool:
     """A spawned multiprocessing child other than the resource tracker."""
