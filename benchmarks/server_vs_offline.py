@@ -18,11 +18,13 @@ compared with the offline one (``bits_equal_offline``).
 
 Time to first token: one request at a time, ``--ttft-requests`` pairs alternating an offline
 ``LLM.generate`` of ``max_tokens=1`` with the first SSE chunk of a served streamed request of 16
-tokens (fresh prompts each); the median per round, the best round. Its line also gives the
-offline call's time in engine steps (``offline_in_steps_ms``) and, served, the time from the
-request's hand-over to the engine (``RequestGroup.arrival``, once parsed) to the end of the step
-that made its first token, from the server's TTFT histogram (``served_in_engine_ms``, a mean):
-the rest is HTTP in and the first chunk out.
+tokens (fresh prompts each). The figure is the median over every pair so far of served minus
+offline (each pair measured back to back, so a busy host's drift cancels), with both medians.
+Each round's line gives its medians, the offline call's time in engine steps
+(``offline_in_steps_ms``) and, served, the time from the request's hand-over to the engine
+(``RequestGroup.arrival``, once parsed) to the end of the step that made its first token, from
+the server's TTFT histogram (``served_in_engine_ms``, a mean): the rest is HTTP in and the
+first chunk out.
 
 Where the time goes: each run's line gives its wall time, the engine steps it took and the
 milliseconds per step, and the CPU seconds spent (offline: this process; served, from /proc: the
@@ -70,6 +72,7 @@ BENCH = "server_vs_offline"
 TARGETS = {"cpu": 0.95, "cuda": 0.9}  # served / offline tok/s, non-streamed and streamed
 TTFT_TARGET_MS = 5.0  # served TTFT - offline TTFT at concurrency 1
 RUNS = ("offline", "served", "served_stream")
+WARM_TTFT_PAIRS = 2
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,8 @@ class Bench:
         self.pool: ClientPool | None = None
         self.vocab = 0
         self.best = {m: dict.fromkeys(RUNS, 0.0) for m in args.modes}
-        self.ttft = {m: {"offline": math.inf, "served": math.inf} for m in args.modes}
+        # every TTFT pair's offline and served seconds, over the rounds
+        self.ttft: dict[str, list[tuple[float, float]]] = {m: [] for m in args.modes}
 
     def start(self) -> None:
         """Every server, the client processes and every offline engine, all at once."""
@@ -256,7 +260,8 @@ class Bench:
         offline_run(self.llms[mode], load)
         for stream in (False, True):
             served_run(self.servers[mode], self.pool, load, stream, a, self._run_timeout())
-        self._ttft_pairs(mode, _prompts(2, a.prompt_len, self.vocab, 2), load.prompts[:2])
+        self._ttft_pairs(mode, _prompts(WARM_TTFT_PAIRS, a.prompt_len, self.vocab, 2),
+                         load.prompts[:WARM_TTFT_PAIRS])
         self.clock.phase("warm", mode=mode)
 
     def round(self, mode: str, r: int) -> None:
@@ -276,9 +281,6 @@ class Bench:
                                                10_000 + r),
                                 _prompts(a.ttft_requests, a.prompt_len, self.vocab, 20_000 + r))
         self.emit(mode=mode, run="ttft", round=r, **{k: round(v * 1e3, 2) for k, v in ttft.items()})
-        t = self.ttft[mode]
-        t["offline"] = min(t["offline"], ttft["offline_ms"])
-        t["served"] = min(t["served"], ttft["served_ms"])
         self.report(mode, r + 1)
 
     def _record(self, mode: str, run: str, r: int, rate: float, diag: dict, **more) -> None:
@@ -287,9 +289,10 @@ class Bench:
 
     def _ttft_pairs(self, mode: str, offline_prompts: list[list[int]],
                     served_prompts: list[list[int]]) -> dict[str, float]:
-        """Offline and served TTFT (seconds), measured alternately: the medians, the offline
-        one's time in engine steps (median) and the served one's from arrival to the step that
-        made the token, as the server's metrics saw it (mean)."""
+        """Offline and served TTFT (seconds), measured alternately (each pair kept for the
+        figure): the medians, the offline one's time in engine steps (median) and the served
+        one's from arrival to the step that made the token, as the server's metrics saw it
+        (mean)."""
         server, llm, offline, in_steps, served = self.servers[mode], self.llms[mode], [], [], []
         timeout = min(self.args.request_timeout_s, self.clock.timeout(600, "TTFT"))
         before = server.state()
@@ -299,6 +302,7 @@ class Bench:
                 offline.append(total)
                 in_steps.append(steps)
                 served.append(first_token_s(http, server.model, q, 16))
+                self.ttft[mode].append((offline[-1], served[-1]))
         after = server.state()
         engine = (after["ttft_sum"] - before["ttft_sum"]) / max(
             after["ttft_count"] - before["ttft_count"], 1)
@@ -338,10 +342,11 @@ class Bench:
             self.emit(mode=mode, figure=f"{key}_over_offline", rounds=rounds,
                       offline_tok_s=round(best["offline"], 1), served_tok_s=round(best[key], 1),
                       ratio=round(ratio, 3), target=target, met=ratio >= target)
-        t = self.ttft[mode]
-        diff_ms = (t["served"] - t["offline"]) * 1e3
+        pairs = self.ttft[mode][WARM_TTFT_PAIRS:]
+        offline, served = (statistics.median(x) * 1e3 for x in zip(*pairs, strict=True))
+        diff_ms = statistics.median(s - o for o, s in pairs) * 1e3
         self.emit(mode=mode, figure="ttft_served_minus_offline_ms", rounds=rounds,
-                  offline_ms=round(t["offline"] * 1e3, 2), served_ms=round(t["served"] * 1e3, 2),
+                  pairs=len(pairs), offline_ms=round(offline, 2), served_ms=round(served, 2),
                   diff_ms=round(diff_ms, 2), target_ms=TTFT_TARGET_MS, met=diff_ms <= TTFT_TARGET_MS)
 
     def run(self) -> None:

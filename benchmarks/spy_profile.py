@@ -27,6 +27,8 @@ from collections import Counter
 ANCHORS = {"api": "Handle._run", "engine": "EngineCore.run"}
 IDLE_LEAVES = ("select", "poll", "_poll", "wait", "_recv", "recv", "recv_bytes", "_recv_bytes",
                "sleep", "acquire", "get", "accept", "read")
+BLOCKED_IN_C = ("_Outbox._run",)  # frames whose own C call blocks (a SimpleQueue's get)
+WRAPPERS = ("decorate_context", "Module._call_impl", "Module._wrapped_call_impl")
 
 
 class Spy:
@@ -87,11 +89,13 @@ def summarize(path: str, anchor: str, depth: int) -> dict:
 
 def _idle(names: list[str]) -> bool:
     """Waiting: the leaf is a blocking call (the event loop's select, a pipe read, a queue)."""
-    leaf = names[-1].rsplit(".", 1)[-1] if names else ""
-    return leaf in IDLE_LEAVES
+    if not names:
+        return False
+    return names[-1] in BLOCKED_IN_C or names[-1].rsplit(".", 1)[-1] in IDLE_LEAVES
 
 
 def _below(names: list[str], anchor: str, depth: int) -> str:
     at = max((i for i, n in enumerate(names) if n == anchor), default=None)
-    rest = names[at + 1:] if at is not None else names[-depth:]
+    rest = [n for n in (names[at + 1:] if at is not None else names[-depth:])
+            if not n.endswith(WRAPPERS)]
     return ";".join(rest[:depth]) or (names[-1] if names else "?")
