@@ -19,12 +19,12 @@ compared with the offline one (``bits_equal_offline``).
 Time to first token: one request at a time, ``--ttft-requests`` pairs alternating an offline
 ``LLM.generate`` of ``max_tokens=1`` with the first SSE chunk of a served streamed request of 16
 tokens (fresh prompts each). The figure is the median over every pair so far of served minus
-offline (each pair measured back to back, so a busy host's drift cancels), with both medians.
-Each round's line gives its medians, the offline call's time in engine steps
-(``offline_in_steps_ms``) and, served, the time from the request's hand-over to the engine
-(``RequestGroup.arrival``, once parsed) to the end of the step that made its first token, from
-the server's TTFT histogram (``served_in_engine_ms``, a mean): the rest is HTTP in and the
-first chunk out.
+offline (each pair measured back to back, so a busy host's drift cancels), with both medians,
+and ``outside_steps_diff_ms``: the median of what serving adds outside the engine step (served
+TTFT less the request's time in the engine, from the hand-over (``RequestGroup.arrival``) to the
+end of the step that made its first token, read from the server's TTFT histogram around each
+request; less what ``LLM.generate`` spends outside its step): HTTP in, the hand-over and the
+first chunk out, free of the step's own noise. Each round's line gives its medians.
 
 Where the time goes: each run's line gives its wall time, the engine steps it took and the
 milliseconds per step, and the CPU seconds spent (offline: this process; served, from /proc: the
@@ -80,6 +80,22 @@ class Load:
     prompts: list[list[int]]
     max_tokens: int
     concurrency: int
+
+
+@dataclass(frozen=True)
+class TTFTPair:
+    """Seconds of one offline and one served first token, measured back to back."""
+
+    offline: float  # LLM.generate of one token
+    offline_in_steps: float  # of it, in engine steps
+    served: float  # sending the request to reading its first chunk
+    served_in_engine: float  # of it, from arrival (RequestGroup.arrival) to the step's end
+
+    @property
+    def outside_diff(self) -> float:
+        """What serving adds outside the engine step: HTTP in, parsing, the hand-over and the
+        first chunk out, less what ``LLM.generate`` spends outside its step."""
+        return (self.served - self.served_in_engine) - (self.offline - self.offline_in_steps)
 
 
 class Emitter:
@@ -230,8 +246,7 @@ class Bench:
         self.pool: ClientPool | None = None
         self.vocab = 0
         self.best = {m: dict.fromkeys(RUNS, 0.0) for m in args.modes}
-        # every TTFT pair's offline and served seconds, over the rounds
-        self.ttft: dict[str, list[tuple[float, float]]] = {m: [] for m in args.modes}
+        self.ttft: dict[str, list[TTFTPair]] = {m: [] for m in args.modes}  # over the rounds
 
     def start(self) -> None:
         """Every server, the client processes and every offline engine, all at once."""
@@ -289,26 +304,21 @@ class Bench:
 
     def _ttft_pairs(self, mode: str, offline_prompts: list[list[int]],
                     served_prompts: list[list[int]]) -> dict[str, float]:
-        """Offline and served TTFT (seconds), measured alternately (each pair kept for the
-        figure): the medians, the offline one's time in engine steps (median) and the served
-        one's from arrival to the step that made the token, as the server's metrics saw it
-        (mean)."""
-        server, llm, offline, in_steps, served = self.servers[mode], self.llms[mode], [], [], []
+        """Offline and served TTFT, measured alternately, each pair kept for the figure
+        (``TTFTPair``); the round's medians (seconds)."""
+        server, llm, pairs = self.servers[mode], self.llms[mode], []
         timeout = min(self.args.request_timeout_s, self.clock.timeout(600, "TTFT"))
-        before = server.state()
         with httpx.Client(base_url=server.url, timeout=timeout, trust_env=False) as http:
             for p, q in zip(offline_prompts, served_prompts, strict=True):
-                total, steps = offline_ttft_s(llm, p)
-                offline.append(total)
-                in_steps.append(steps)
-                served.append(first_token_s(http, server.model, q, 16))
-                self.ttft[mode].append((offline[-1], served[-1]))
-        after = server.state()
-        engine = (after["ttft_sum"] - before["ttft_sum"]) / max(
-            after["ttft_count"] - before["ttft_count"], 1)
-        return {"offline_ms": statistics.median(offline),
-                "offline_in_steps_ms": statistics.median(in_steps),
-                "served_ms": statistics.median(served), "served_in_engine_ms": engine}
+                offline, in_steps = offline_ttft_s(llm, p)
+                before = server.state()
+                served = first_token_s(http, server.model, q, 16)
+                after = server.state()
+                pairs.append(TTFTPair(offline, in_steps, served,
+                                      after["ttft_sum"] - before["ttft_sum"]))
+        self.ttft[mode].extend(pairs)
+        return {f"{k}_ms": statistics.median(getattr(x, k) for x in pairs)
+                for k in ("offline", "offline_in_steps", "served", "served_in_engine")}
 
     def profile(self, mode: str) -> None:
         """One more served run of each kind with py-spy on the server's processes: a line each
@@ -343,11 +353,14 @@ class Bench:
                       offline_tok_s=round(best["offline"], 1), served_tok_s=round(best[key], 1),
                       ratio=round(ratio, 3), target=target, met=ratio >= target)
         pairs = self.ttft[mode][WARM_TTFT_PAIRS:]
-        offline, served = (statistics.median(x) * 1e3 for x in zip(*pairs, strict=True))
-        diff_ms = statistics.median(s - o for o, s in pairs) * 1e3
+        diff_ms = statistics.median(x.served - x.offline for x in pairs) * 1e3
         self.emit(mode=mode, figure="ttft_served_minus_offline_ms", rounds=rounds,
-                  pairs=len(pairs), offline_ms=round(offline, 2), served_ms=round(served, 2),
-                  diff_ms=round(diff_ms, 2), target_ms=TTFT_TARGET_MS, met=diff_ms <= TTFT_TARGET_MS)
+                  pairs=len(pairs), diff_ms=round(diff_ms, 2), target_ms=TTFT_TARGET_MS,
+                  met=diff_ms <= TTFT_TARGET_MS,
+                  offline_ms=round(statistics.median(x.offline for x in pairs) * 1e3, 2),
+                  served_ms=round(statistics.median(x.served for x in pairs) * 1e3, 2),
+                  outside_steps_diff_ms=round(statistics.median(x.outside_diff for x in pairs)
+                                              * 1e3, 2))
 
     def run(self) -> None:
         self.start()
