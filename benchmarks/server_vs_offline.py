@@ -59,12 +59,19 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
 from bench_clock import BudgetSpent, Clock
 from http_load import ClientPool, Share, first_token_s
+from offline_runs import (
+    Load,
+    TTFTPair,
+    offline_engine,
+    offline_run,
+    offline_ttft_s,
+    run_diag,
+)
 from spy_profile import Spy
 from watched_server import WatchedServer, is_engine_process
 
@@ -73,29 +80,6 @@ TARGETS = {"cpu": 0.95, "cuda": 0.9}  # served / offline tok/s, non-streamed and
 TTFT_TARGET_MS = 5.0  # served TTFT - offline TTFT at concurrency 1
 RUNS = ("offline", "served", "served_stream")
 WARM_TTFT_PAIRS = 2
-
-
-@dataclass(frozen=True)
-class Load:
-    prompts: list[list[int]]
-    max_tokens: int
-    concurrency: int
-
-
-@dataclass(frozen=True)
-class TTFTPair:
-    """Seconds of one offline and one served first token, measured back to back."""
-
-    offline: float  # LLM.generate of one token
-    offline_in_steps: float  # of it, in engine steps
-    served: float  # sending the request to reading its first chunk
-    served_in_engine: float  # of it, from arrival (RequestGroup.arrival) to the step's end
-
-    @property
-    def outside_diff(self) -> float:
-        """What serving adds outside the engine step: HTTP in, parsing, the hand-over and the
-        first chunk out, less what ``LLM.generate`` spends outside its step."""
-        return (self.served - self.served_in_engine) - (self.offline - self.offline_in_steps)
 
 
 class Emitter:
@@ -112,74 +96,6 @@ class Emitter:
         if self.file is not None:
             self.file.write(line + "\n")
             self.file.flush()
-
-
-# ---- offline ---------------------------------------------------------------------------------
-def offline_engine(opts: dict, invariant: bool, threads: int | None):
-    import torch  # here: spawned client processes import this script
-
-    from samebits import LLM
-
-    if threads:
-        torch.set_num_threads(threads)
-    return LLM(**opts, batch_invariant=invariant)
-
-
-def offline_run(llm, load: Load) -> tuple[float, list[str], dict]:
-    """(generated tok/s, output hash per request, diagnostics) of one ``LLM.generate`` call."""
-    from samebits import SamplingParams
-    from samebits.server.output_hash import output_hash
-
-    params = SamplingParams(max_tokens=load.max_tokens, temperature=0.0, ignore_eos=True)
-    steps, step = [0], llm.engine.step
-
-    def counted():
-        progressed = step()
-        steps[0] += bool(progressed)
-        return progressed
-    llm.engine.step = counted
-    cpu, t0 = _cpu_s(), time.perf_counter()
-    try:
-        outs = llm.generate(load.prompts, params, use_tqdm=False)
-    finally:
-        del llm.engine.step
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    hashes = [output_hash([(o.outputs[0].token_ids, o.outputs[0].token_logprobs)]) for o in outs]
-    return tokens / wall, hashes, _diag(wall, steps[0], cpu_s=_cpu_s() - cpu)
-
-
-def offline_ttft_s(llm, prompt: list[int]) -> tuple[float, float]:
-    """(seconds of an ``LLM.generate`` of one token, seconds of it spent in engine steps)."""
-    from samebits import SamplingParams
-
-    in_steps, step = [0.0], llm.engine.step
-
-    def timed():
-        t = time.perf_counter()
-        try:
-            return step()
-        finally:
-            in_steps[0] += time.perf_counter() - t
-    llm.engine.step = timed
-    t0 = time.perf_counter()
-    try:
-        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)
-    finally:
-        del llm.engine.step
-    return time.perf_counter() - t0, in_steps[0]
-
-
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _diag(wall: float, steps: float, **cpu: float) -> dict:
-    return {"wall_s": round(wall, 2), "steps": int(steps),
-            "ms_per_step": round(1e3 * wall / max(steps, 1), 2),
-            **{k: round(v, 2) for k, v in cpu.items()}}
 
 
 # ---- served ----------------------------------------------------------------------------------
@@ -201,7 +117,7 @@ def served_run(server: WatchedServer, pool: ClientPool, load: Load, stream: bool
     wall = max(r.end for r in results) - start_at
     hashes = {i: h for r in results for i, h in r.hashes.items()}
     cpu = {k: after[k] - before[k] for k in before if k.endswith("_cpu_s")}
-    diag = _diag(wall, after["steps"] - before["steps"], **cpu,
+    diag = run_diag(wall, after["steps"] - before["steps"], **cpu,
                  client_cpu_s=sum(r.cpu_s for r in results))
     for key, busy in (("loop_cpu_s", "loop_busy"), ("engine_main_cpu_s", "engine_main_busy")):
         if key in cpu:  # the share of the wall time that thread was on a CPU
