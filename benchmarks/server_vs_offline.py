@@ -1,6 +1,8 @@
 """What ``samebits serve`` delivers against the same engine offline (``LLM.generate``), same run.
 
     PYTHONPATH=$PWD python -u benchmarks/server_vs_offline.py                # CPU: default model
+    PYTHONPATH=$PWD python -u benchmarks/server_vs_offline.py --threads 1 \
+        --requests 16 --prompt-len 64 --max-tokens 32 --rounds 5           # CPU: a small shared host
     PYTHONPATH=$PWD python -u benchmarks/server_vs_offline.py --device cuda \\
         --model benchmarks/configs/qwen3-0.6b.json --load-format dummy \\
         --quick --out results.jsonl                                        # GPU: < 4 minutes
