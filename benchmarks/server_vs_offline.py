@@ -50,6 +50,7 @@ diagnoses and stops too. The servers run in a process group of their own and are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -61,6 +62,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import httpx
@@ -163,11 +165,14 @@ class Bench:
         self.llms: dict[str, Any] = {}
         self.pool: ClientPool | None = None
         self.vocab = 0
+        self.dropped: set[str] = set()  # modes that failed to start
         self.best = {m: dict.fromkeys(RUNS, 0.0) for m in args.modes}
         self.ttft: dict[str, list[TTFTPair]] = {m: [] for m in args.modes}  # over the rounds
 
     def start(self) -> None:
-        """Every server, the client processes and every offline engine, all at once."""
+        """Every server, the client processes and every offline engine, all at once. A mode
+        whose server or offline engine fails to start is dropped (an ``error`` line, the
+        server's stacks and log on stderr); the others go on."""
         a, opts = self.args, engine_options(self.args)
         env = {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
         for mode in a.modes:
@@ -177,14 +182,38 @@ class Bench:
         self.pool = ClientPool(a.client_processes)
         for mode in a.modes:
             t0 = time.monotonic()
-            self.llms[mode] = offline_engine(opts, mode == "invariant", a.threads)
-            self.clock.phase("offline_engine_ready", mode=mode, s=round(time.monotonic() - t0, 1))
-        self.vocab = self.llms[a.modes[0]].engine.loaded.model_config.vocab_size
+            with self._dropped_on_failure(mode, "offline engine"):
+                self.llms[mode] = offline_engine(opts, mode == "invariant", a.threads)
+                self.clock.phase("offline_engine_ready", mode=mode,
+                                 s=round(time.monotonic() - t0, 1))
         self.pool.wait_ready(self.clock.timeout(a.start_timeout_s, "the client processes"))
         self.clock.phase("clients_ready", processes=a.client_processes)
-        for mode, server in self.servers.items():
-            server.wait_ready(self.clock.timeout(a.start_timeout_s, f"the {mode} server start"))
-            self.clock.phase("server_ready", mode=mode, pids=server.pids())
+        for mode in self.modes:
+            with self._dropped_on_failure(mode, "server"):
+                self.servers[mode].wait_ready(self.clock.timeout(a.start_timeout_s,
+                                                                 f"the {mode} server start"))
+                self.clock.phase("server_ready", mode=mode, pids=self.servers[mode].pids())
+        if not self.modes:
+            raise RuntimeError("no mode's server and offline engine started")
+        self.vocab = self.llms[self.modes[0]].engine.loaded.model_config.vocab_size
+
+    @property
+    def modes(self) -> list[str]:
+        """The modes still measured (``--modes``, less those that failed to start)."""
+        return [m for m in self.args.modes if m not in self.dropped]
+
+    @contextlib.contextmanager
+    def _dropped_on_failure(self, mode: str, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (Exception, BudgetSpent) as e:
+            self.dropped.add(mode)
+            self.clock.phase("error", mode=mode, error=f"the {what} failed to start: "
+                             f"{type(e).__name__}: {e}")
+            self.emit(mode=mode, error=f"the {what} failed to start: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            print(f"=== samebits serve ({mode}):\n{self.servers[mode].diagnose()}",
+                  file=sys.stderr, flush=True)
 
     def warm(self, mode: str) -> None:
         """One small run of each kind and a TTFT pair: lazy kernels, connections, clients."""
@@ -282,7 +311,7 @@ class Bench:
 
     def run(self) -> None:
         self.start()
-        for mode in self.args.modes:
+        for mode in self.modes:
             self.warm(mode)
         last = 0.0  # seconds the previous round took
         for r in range(self.args.rounds):
@@ -292,14 +321,14 @@ class Bench:
                                      f"{self.clock.left():.0f} s left")
                 break
             t0 = time.monotonic()
-            for mode in self.args.modes:
+            for mode in self.modes:
                 self.round(mode, r)
             last = time.monotonic() - t0
             if r == 0 and self.args.profile:
                 self._profile_if_it_fits(last)
 
     def _profile_if_it_fits(self, round_s: float) -> None:
-        mode = self.args.modes[0]
+        mode = self.modes[0]
         if not Spy.available():
             self.clock.phase("profile_skipped", why="py-spy is not on PATH")
         elif self.clock.left() < 0.5 * round_s + self.args.stop_margin_s:
