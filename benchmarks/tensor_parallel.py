@@ -8,7 +8,9 @@ config's shapes. Per size it prints the start seconds, each rank's weight bytes 
 per workload the generated tok/s and its ratio to the first size listed (TP 1): ``batch`` (64
 requests of 1024 prompt tokens, 256 generated each, all submitted at once) and ``decode-bs1``
 (one greedy request, 256 generated tokens after a 128-token prompt; each workload is run once
-to warm up, then timed). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >= 1.3x at TP 2.
+to warm up, then timed), then the seconds its shutdown took (bounded: the ranks exit when
+told, rank 0 releases its side alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
+1.3x at TP 2.
 The bits agree across sizes where the backend runs the segmented K on one device
 (``row_parallel_segments``); ``tokens_sha`` lets the runs be compared.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,7 +58,9 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
                           "tok_s": round(len(ids) / seconds, 1),
                           "tokens_sha": hashlib.sha256(str(ids).encode()).hexdigest()[:16]}),
               flush=True)
+    start = time.perf_counter()
     runner.shutdown()
+    print(json.dumps({"tp": tp, "shutdown_s": round(time.perf_counter() - start, 2)}), flush=True)
 
 
 def _text(out: str | bytes | None) -> str:
@@ -82,9 +87,10 @@ def main() -> None:
                         "stopped and reported as an error")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
-    if args.one is not None:
+    if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
         run_size(args, args.one)
-        return
+        sys.stderr.flush()
+        os._exit(0)
     lines: list[dict] = []
     for tp in args.tp:
         cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,

@@ -7,21 +7,29 @@ decode or shutdown stalls, and whether its greedy tokens equal TP 1's. JSON line
 A line per phase, each with ``t`` (seconds since start):
 - ``env``: torch, NCCL, the GPUs, the NCCL variables in force (NCCL_DEBUG defaults to WARN).
 - ``group``: two spawned processes join a ``TPGroup`` alone (tcp rendezvous, its connect check:
-  an all_gather on the device and a gloo reduction), broadcast an object and a device tensor and
-  close the group together: the transport without the engine.
+  an all_gather on the device and a gloo reduction), broadcast an object and a device tensor, then
+  leave as an engine's ranks do (rank 1 exits, rank 0 releases its side alone): the transport
+  without the engine.
 - ``spawned``, ``loaded``, ``connected``, ``kv_budget``, ``graphs``: the TP 2 engine's start, read
   from its log records (``kv_budget`` and ``graphs`` on CUDA only); ``ready``: ``LLM(...)`` returned
   (its warm-up done), with each rank's KV blocks and graphs.
+- ``memory``: each rank's weight bytes and ``torch.cuda.memory_allocated`` of its device (every
+  rank's, gathered), and the memory in use on each GPU as the driver sees it (every process's).
 - ``first_step`` (one token: a prefill and its sampling), ``tokens`` (8 greedy tokens of 2 prompts:
   CUDA-graph decode steps and steps launched ahead), ``closed`` (shutdown: seconds, rank 1's exit
-  code, 0 when it closed the group with rank 0).
+  code -- 0: it exited by itself when told to stop, -9: it was killed --, and whether
+  torch.distributed still has a process group: false once rank 0 released its side).
 - ``trace``: the collectives each rank issued (``SAMEBITS_TP_TRACE``), their counts and the first
   index where the ranks' sequences differ (null: none).
+- ``second_engine``: a second TP 2 engine built in the same process after the first shut down
+  (the process group formed anew), its 8 greedy tokens and whether they equal the first
+  engine's; ``second_closed`` as ``closed``.
 - ``tp1`` and ``tp1_segmented``, then ``bits``: TP 2 against one device -- the default engine, and
   the engine with its row-parallel layers on the gathered segmented path (TP 2's arithmetic on one
   device; the tensors are compared with ``==`` on token ids and logprobs). On CUDA the default
   engine keeps one K chain (``TritonBackend.row_parallel_segments`` False), so ``equal_to_tp1`` is
-  expected false there and ``equal_to_tp1_segmented`` true.
+  expected false there and ``equal_to_tp1_segmented`` true. ``bits`` also gives each rank's
+  weight bytes as a fraction of the one-device engine's (about 0.5: each rank holds its shard).
 
 Watchdog: every process dumps its threads' stacks to stderr every ``--dump-every`` seconds (rank
 1 through ``SAMEBITS_FAULTHANDLER_S``); at ``--budget`` seconds the script prints a ``watchdog``
@@ -32,6 +40,7 @@ faulthandler's own timer exits 1 a few seconds later should the interpreter be s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -43,6 +52,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3-tiny.json"
@@ -133,8 +143,14 @@ def _group_rank(rank: int, device_type: str, init_method: str, queue) -> None:
     group = TPGroup(rank, 2, device)
     group.connect(init_method)
     message = group.broadcast_object(("hello", (rank,)))
-    x = group.broadcast_tensor(torch.full((4,), 7 if rank == 0 else 0, device=device))
-    queue.put((rank, message[0], x.tolist(), group.close()))
+    x = group.broadcast_tensor(torch.full((4,), 7 if rank == 0 else 0, device=device)).tolist()
+    group.min_int(0)  # every rank's device work is done before rank 0 releases its side
+    left = group.leave() if rank == 0 else True  # rank 1 leaves by exiting, as an engine's do
+    queue.put((rank, message[0], x, left))
+    queue.close()
+    queue.join_thread()
+    if rank:
+        os._exit(0)
 
 
 def group_phase(device_type: str, timeout: float) -> None:
@@ -170,24 +186,62 @@ def generate(llm, max_tokens: int) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in outs]
 
 
-def tp2_phases(options: dict) -> list:
+def tp2_phases(options: dict) -> tuple[list, list[int]]:
+    """The TP 2 engine's phases; (its outputs, each rank's weight bytes)."""
     from samebits import LLM
     llm = LLM(str(CONFIG), tensor_parallel_size=2, **options)
     runner = llm.engine.runner
+    weights = runner.weight_bytes()
     emit("ready", kv_blocks=runner.num_blocks,
-         graphs=0 if runner.graphs is None else len(runner.graphs.graphs),
-         weight_bytes_per_rank=runner.weight_bytes())
+         graphs=0 if runner.graphs is None else len(runner.graphs.graphs))
+    emit("memory", weight_bytes_per_rank=weights,
+         memory_allocated_per_rank=runner.memory_allocated(), device_used_bytes=_device_used())
     emit("first_step", tokens=generate(llm, 1))
     out = generate(llm, 8)
     emit("tokens", tokens=[ids for ids, _ in out])
+    shut_down(llm, "closed")
+    return out, weights
+
+
+def second_engine(options: dict, first: list) -> None:
+    """A second TP 2 engine in this process, after the first shut down: a new process group."""
+    from samebits import LLM
+    llm = LLM(str(CONFIG), tensor_parallel_size=2, **options)
+    again = generate(llm, 8)
+    emit("second_engine", tokens=[ids for ids, _ in again], same_as_first=again == first)
+    shut_down(llm, "second_closed")
+
+
+def shut_down(llm, phase: str) -> None:
+    import torch.distributed as dist
+    runner = llm.engine.runner
     rank_1 = runner.peers.procs[1]
     start = time.monotonic()
     runner.shutdown()
-    emit("closed", seconds=round(time.monotonic() - start, 2), rank_1_exitcode=rank_1.exitcode)
-    return out
+    emit(phase, seconds=round(time.monotonic() - start, 2), rank_1_exitcode=rank_1.exitcode,
+         process_group_initialized=dist.is_initialized())
 
 
-def tp1(options: dict, segmented: bool) -> list:
+def _device_used() -> list[int]:
+    """Bytes in use on each GPU, every process's (nvidia-smi's count); [] on the CPU."""
+    import torch
+    if not torch.cuda.is_available():
+        return []
+    try:  # NVML: no CUDA context on the other GPU
+        return [torch.cuda.device_memory_used(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 -- no NVML bindings: the driver's count on each device
+        return [t - f for f, t in (torch.cuda.mem_get_info(i)
+                                   for i in range(torch.cuda.device_count()))]
+
+
+def _free_memory() -> None:
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def tp1(options: dict, segmented: bool) -> tuple[list, list[int]]:
     from samebits import LLM
     from samebits.models.parallel import RowParallelLinear
     llm = LLM(str(CONFIG), **((options | {"enforce_eager": True}) if segmented else options))
@@ -197,9 +251,10 @@ def tp1(options: dict, segmented: bool) -> list:
                 m.forward = functools.partial(RowParallelLinear.gathered, m)
     out = generate(llm, 8)
     emit("tp1_segmented" if segmented else "tp1", tokens=[ids for ids, _ in out])
+    weights = llm.engine.runner.weight_bytes()
     del llm
-    gc.collect()
-    return out
+    _free_memory()
+    return out, weights
 
 
 def environment(device_type: str) -> None:
@@ -220,22 +275,29 @@ def _setup(args: argparse.Namespace) -> tuple[str, list[Path]]:
     global OUT
     import torch
 
-    from samebits.distributed import group as group_module
     device = args.device or ("cuda" if torch.cuda.device_count() >= 2 else "cpu")
     OUT = args.out
     work = OUT or Path(os.environ.get("TMPDIR", "/tmp")) / f"tp_smoke_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    traces = [work / "trace_group", work / "trace_tp2"]
+    traces = [work / "trace_group", work / "trace_tp2", work / "trace_tp2_second"]
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ["SAMEBITS_FAULTHANDLER_S"] = str(args.dump_every)
     arm_watchdog(args.budget, args.dump_every, traces)
-    group_module.CLOSE_TIMEOUT_S = 15.0  # a shutdown that hangs is reported within the budget
     engine_log = logging.getLogger("samebits")
     engine_log.setLevel(logging.INFO)
     engine_log.addHandler(PhaseLog())
     engine_log.addHandler(logging.StreamHandler(sys.stderr))
     return device, traces
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """An exception becomes an ``error`` line (the later phases still run)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- reported; the script goes on
+        emit("error", during=LAST["phase"], error=f"{type(e).__name__}: {e}"[-3000:])
 
 
 def main() -> None:
@@ -254,19 +316,24 @@ def main() -> None:
                    max_model_len=512, max_num_batched_tokens=512, enable_prefix_caching=False)
     if device == "cuda":  # TP 2 sizes its KV cache from the memory left (the profiling runs)
         options |= dict(dtype="bfloat16", gpu_memory_utilization=0.5)
-    try:
-        two = tp2_phases(options)
-    except Exception as e:  # noqa: BLE001 -- reported; TP 1 still runs
-        emit("error", during=LAST["phase"], error=f"{type(e).__name__}: {e}"[-3000:])
-        two = None
+    two, weights = None, None
+    with reported():
+        two, weights = tp2_phases(options)
     emit("trace", **trace_summary(traces[1]))
+    if two is not None:
+        os.environ["SAMEBITS_TP_TRACE"] = str(traces[2])
+        _free_memory()  # the first engine's weights and KV cache
+        with reported():
+            second_engine(options, two)
     os.environ.pop("SAMEBITS_TP_TRACE")
     options.pop("gpu_memory_utilization", None)
     options["kv_cache_memory_bytes"] = 1 << 28
-    one, segmented = tp1(options, segmented=False), tp1(options, segmented=True)
+    (one, one_bytes), segmented = tp1(options, segmented=False), tp1(options, segmented=True)[0]
     emit("bits", equal_to_tp1=two == one, equal_to_tp1_segmented=two == segmented,
          tokens_equal_to_tp1=None if two is None else [a[0] == b[0] for a, b in
-                                                        zip(two, one, strict=True)])
+                                                        zip(two, one, strict=True)],
+         weight_fraction_per_rank=None if weights is None else [round(b / one_bytes[0], 4)
+                                                               for b in weights])
     os._exit(0)  # the watchdog threads and faulthandler's timer end with the process
 
 

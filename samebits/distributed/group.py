@@ -10,19 +10,25 @@ blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an al
 order is the library's) serves only the standard mode. Control messages (``broadcast_object``,
 ``min_int``) run over a gloo group on every device, so they never wait behind device work.
 
-Leaving the group (``close``) is collective on CUDA: NCCL's finalize and destroy wait until every
-rank of the node calls them. So the ranks of a healthy group close at the same time (rank 0 does
-not wait for the others to exit first); a rank whose peers died or are mid-call aborts instead
-(``discard``), which waits for no one. With ``SAMEBITS_TP_TRACE`` set, each rank writes the
-collectives it issues, in order (``_record``): ranks that would wait for each other show where
-their sequences part.
+Leaving the group is never collective, and comes after the CUDA graphs are gone: NCCL's abort,
+finalize and destroy of a communicator all wait until every graph that captured one of its
+collectives is destroyed. Ranks 1..N-1 drop their graphs, wait for their device and exit without
+any teardown (``samebits.engine.worker``); rank 0 then ``leave``s alone -- NCCL's communicators
+aborted, gloo's group destroyed, locally -- in a thread it waits for a bounded time. A release
+that does not return is reported and left behind: this process then refuses to form another
+group (``connect`` raises) instead of waiting on it.
+
+With ``SAMEBITS_TP_TRACE`` set, each rank writes the collectives it issues, in order
+(``_record``): ranks that would wait for each other show where their sequences part.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import threading
+from collections.abc import Callable
 from typing import TextIO
 
 import torch
@@ -30,11 +36,12 @@ import torch.distributed as dist
 
 from samebits import env
 
+log = logging.getLogger("samebits.engine")
+
 # a collective waits this long for its peers: long enough for a rank that loads or compiles
 # slower than the others; a dead peer is noticed by the driver's watcher, not by this timeout
 TIMEOUT = datetime.timedelta(minutes=30)
-CLOSE_TIMEOUT_S = 30.0  # how long ``close`` waits for the other ranks to close with it
-DISCARD_WAIT_S = 5.0  # how long ``discard`` lets a failing ``close`` finish first
+RELEASE_TIMEOUT_S = 10.0  # how long ``leave`` waits for this process's group to be released
 
 
 # torch 2.13 names it all_gather_single (the old name warns); torch 2.11 has only the old one
@@ -49,7 +56,7 @@ class TPGroup:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.cpu_group = None  # gloo group for control messages (the default group on CPU)
         self.connected = False
-        self.closer: threading.Thread | None = None  # the thread of ``close``, once started
+        self.lock = threading.Lock()  # held by whatever aborts or releases the group: one at a time
         self.trace: TextIO | None = None  # SAMEBITS_TP_TRACE: this rank's collectives, in order
 
     def connect(self, init_method: str) -> None:
@@ -59,12 +66,13 @@ class TPGroup:
         capture) and a wrong device or a broken transport fails now, not in a step."""
         if self.world_size == 1 or self.connected:
             return
+        check_free()
         cuda = self.device.type == "cuda"
         if cuda:  # NCCL's objects and buffers live on the current device
             torch.cuda.set_device(self.device)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=TIMEOUT)
-        self.connected = True  # from here on, leaving needs ``close`` or ``discard``
+        self.connected = True  # from here on, rank 0 leaves with ``leave``
         self.trace = _open_trace(self.rank)
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
         ranks = self.all_gather(torch.tensor([self.rank], device=self.device)).tolist()
@@ -147,60 +155,92 @@ class TPGroup:
         self.trace.flush()
 
     def abort(self) -> None:
-        """Make collectives that wait for a dead peer fail instead of waiting (NCCL); gloo's
-        fail by themselves when a peer's connection closes."""
+        """Make collectives that wait for a dead peer fail instead of waiting (NCCL; gloo's fail
+        by themselves when a peer's connection closes). Blocks its caller (the driver's watcher
+        thread) until the graphs that captured the group's collectives are released."""
         if not (self.connected and self.device.type == "cuda"):
             return
-        backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
-        abort = getattr(backend, "abort", None)
-        if abort is not None:
-            abort()
+        with self.lock:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
+            abort = getattr(backend, "abort", None)
+            if abort is not None:
+                abort()
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Leave the process group together with the other ranks, each calling this at about
-        the same time (after their last collective); False when that failed or did not finish
-        within ``timeout`` seconds (default ``CLOSE_TIMEOUT_S``): then stop the ranks that did
-        not close, and ``discard``."""
+    def leave(self, synchronize: bool = False, timeout: float | None = None) -> bool:
+        """Leave the process group alone, waiting for no peer (rank 0, once ranks 1..N-1 exited):
+        after waiting for the device (``synchronize``; only when no collective can still be
+        waiting for a peer), NCCL's communicators are aborted and gloo's group destroyed, in a
+        daemon thread given ``timeout`` seconds (default ``RELEASE_TIMEOUT_S``). The CUDA graphs
+        that captured the group's collectives must be gone first. False when the release failed
+        or did not return: it is logged, and ``connect`` refuses while it is still running."""
         if not self.connected:
             return True
-        outcome: list[bool] = []
-
-        def destroy() -> None:
-            try:
-                if self.device.type == "cuda":  # a new thread starts on device 0
-                    torch.cuda.set_device(self.device)
-                _destroy_process_group()
-                outcome.append(True)
-            except Exception:  # noqa: BLE001 -- reported as not closed; the caller discards
-                outcome.append(False)
-
-        self.closer = threading.Thread(target=destroy, name="samebits-tp-close", daemon=True)
-        self.closer.start()
-        self.closer.join(CLOSE_TIMEOUT_S if timeout is None else timeout)
-        if outcome == [True]:
-            self._left()
-        return not self.connected
-
-    def discard(self) -> None:
-        """Leave the process group alone, without the other ranks (they died or were stopped):
-        NCCL's communicators are aborted, which waits for no peer; gloo's close locally."""
-        if not self.connected:
-            return
-        if self.closer is not None:  # a close that waited for a stopped rank fails now
-            self.closer.join(DISCARD_WAIT_S)
         self._left()
-        if not dist.is_initialized():
-            return
-        if self.device.type == "cuda" and hasattr(dist.distributed_c10d, "_abort_process_group"):
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        device = self.device
+
+        def release() -> None:
+            with self.lock:  # after an abort of the watcher's, never beside it
+                if device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(device)
+                    if synchronize:
+                        torch.cuda.synchronize(device)
+                _release_process_group(device.type)
+
+        seconds = RELEASE_TIMEOUT_S if timeout is None else timeout
+        released, thread = run_bounded(release, seconds, "releasing the process group")
+        if thread.is_alive():
+            global _PENDING  # noqa: PLW0603 -- one release per process can be pending
+            _PENDING = thread
+            log.warning("tensor parallel: rank 0's process group was not released within %g s; "
+                        "this process cannot start another tensor-parallel engine while it is "
+                        "held", seconds)
+        return released
 
     def _left(self) -> None:
-        self.connected = False
+        self.connected, self.cpu_group = False, None
         if self.trace is not None:
             self.trace.close()
             self.trace = None
+
+
+# a release of this process's process group that did not return in time (``TPGroup.leave``)
+_PENDING: threading.Thread | None = None
+
+
+def check_free() -> None:
+    """Raise, naming why, if this process cannot join a new process group: an earlier group's
+    release still runs, or a default process group exists that samebits did not release."""
+    if _PENDING is not None and _PENDING.is_alive():
+        raise RuntimeError(
+            "tensor parallel: an earlier tensor-parallel engine's process group could not be "
+            "released in this process (its NCCL abort or gloo destroy has not returned), so no "
+            "new group can be formed here; start the engine in a new process")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "tensor parallel: torch.distributed's default process group is already initialized "
+            "in this process (by other code, or an engine that was not shut down or whose "
+            "release failed); destroy it or start the engine in a new process")
+
+
+def run_bounded(fn: Callable[[], object], seconds: float, name: str
+                ) -> tuple[bool, threading.Thread]:
+    """Run ``fn`` in a daemon thread for at most ``seconds``: (whether it returned without an
+    exception in time -- an exception is logged --, the thread: still alive if it did not
+    return; the process can exit without it)."""
+    ok: list[bool] = []
+
+    def target() -> None:
+        try:
+            fn()
+            ok.append(True)
+        except Exception as e:  # noqa: BLE001 -- reported; the caller goes on
+            log.warning("tensor parallel: %s failed: %s: %s", name, type(e).__name__, e)
+
+    thread = threading.Thread(target=target, name=f"samebits-tp-{name.replace(' ', '-')}",
+                              daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return bool(ok), thread
 
 
 def _open_trace(rank: int) -> TextIO | None:
@@ -211,8 +251,13 @@ def _open_trace(rank: int) -> TextIO | None:
     return open(directory / f"rank-{rank}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
 
 
-def _destroy_process_group() -> None:
-    """Every process group of this process, destroyed (NCCL: finalize, then destroy, both
-    collective over the node's ranks)."""
-    if dist.is_initialized():
+def _release_process_group(device_type: str) -> None:
+    """Every process group of this process, released locally: on CUDA aborted (NCCL's abort waits
+    for no peer), on CPU destroyed (gloo's destroy is local); either way torch.distributed has no
+    default group afterwards, so a new one can be formed."""
+    if not dist.is_initialized():
+        return
+    if device_type == "cuda" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()

@@ -317,3 +317,13 @@ class DecodeGraphs:
     def _key(self, batch: DecodeBatch) -> tuple[int, int]:
         n = len(batch.positions)
         return batch_bucket(n), len_bucket(max(batch.positions) + 1, self.split_size)
+
+    def release(self) -> None:
+        """Destroy every captured graph now, whoever still holds this object (a replay in flight
+        completes first, on the device); none is left to run. A graph that captured a
+        collective keeps its NCCL communicator from being aborted or destroyed until then."""
+        for captured in self.graphs.values():
+            for graph in captured.graphs:
+                graph.reset()
+            captured.graphs = []
+        self.graphs.clear()

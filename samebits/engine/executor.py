@@ -9,9 +9,15 @@ start is an error naming it, never a wait. Then the ranks join the process group
 runners together. A watcher thread follows the ranks' processes: when one dies (killed, or an
 exception), the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming
 the rank (gloo fails a collective whose peer closed its connection; an NCCL group is aborted).
-At shutdown the ranks are told to stop and leave the process group together with rank 0 (NCCL's
-close is collective over the node's ranks); a rank that died or never stops is killed and rank 0
-aborts its communicators, so shutting down never waits for ever either.
+Shutdown (``Ranks.close``; also when the runner is collected, and at exit) never waits on a
+collective teardown, and returns within ``STOP_GRACE_S`` + ``KILL_WAIT_S`` +
+``group.RELEASE_TIMEOUT_S`` (25 s; well under a second when the ranks exit when told): rank 0
+destroys its CUDA graphs (an NCCL communicator cannot be released while a graph that captured its
+collectives lives), tells the ranks to stop -- each drops its graphs, waits for its device and
+exits (``os._exit``) without touching the process group --, waits for them to exit, kills those
+that did not, then releases its own side of the group alone (``TPGroup.leave``: local, bounded; a
+release that hangs is reported and left in a daemon thread). Afterwards this process can start
+another tensor-parallel engine.
 """
 
 from __future__ import annotations
@@ -32,14 +38,16 @@ from typing import Any
 import torch
 
 from samebits.config import EngineConfig
-from samebits.distributed.group import TPGroup
+from samebits.distributed.group import TPGroup, check_free, run_bounded
+from samebits.engine.cuda_graph import DecodeGraphs
 from samebits.engine.runner import ModelRunner
 from samebits.engine.worker import rank_main
 from samebits.loader import LoadedModel, load, rank_device
 from samebits.log import get_logger
 
 DEATH_GRACE_S = 5.0  # how long a failed collective waits for the watcher to name a dead rank
-JOIN_S = 10.0  # how long a stopped rank's process gets to exit before it is killed
+STOP_GRACE_S = 10.0  # how long ranks told to stop get to exit before they are killed
+KILL_WAIT_S = 5.0  # how long a killed rank's process gets to be gone
 log = get_logger("engine")
 
 
@@ -55,6 +63,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; do not pass "
                          "a loaded model")
     check_main_guard()
+    check_free()  # before any rank is spawned
     ranks = Ranks(config)
     try:
         group = ranks.group = TPGroup(0, config.tensor_parallel_size, rank_device(config, 0))
@@ -90,6 +99,7 @@ class Ranks:
         self.failure: str | None = None
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
+        self.graphs: weakref.ref[DecodeGraphs] | None = None  # rank 0's, released before the group
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
         self.pipes: dict[int, Connection] = {}
         self.procs: dict[int, mp.Process] = {}
@@ -163,9 +173,23 @@ class Ranks:
         if self.closing:
             return
         self.failure = self._death(sentinels[ready[0]], starting=False)
-        self.group.abort()
+        self.group.abort()  # returns once the caller's error released the graphs (``guard``)
+
+    def hold_graphs(self, graphs: DecodeGraphs) -> None:
+        """Rank 0's CUDA graphs, destroyed before its side of the group is released (held weakly:
+        the runner owns them)."""
+        self.graphs = weakref.ref(graphs)
+
+    def _release_graphs(self) -> None:
+        """Destroy rank 0's graphs, wherever they are still referenced (main thread only: no
+        replay runs beside it)."""
+        graphs = None if self.graphs is None else self.graphs()
+        if graphs is not None:
+            graphs.release()
 
     def check(self) -> None:
+        if self.closing:
+            raise RuntimeError("the tensor-parallel engine was shut down")
         if self.failure is not None:
             raise RankFailedError(self.failure)
 
@@ -176,52 +200,57 @@ class Ranks:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """An exception while the ranks work (a collective whose peer died) becomes the dead
-        rank's ``RankFailedError`` once the watcher has named it."""
+        rank's ``RankFailedError`` once the watcher has named it; the engine cannot run again,
+        so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that)."""
         try:
             yield
         except RankFailedError:
+            self._release_graphs()
             raise
         except Exception as e:
+            if self.closing:  # the engine was shut down: nothing to name
+                raise
             deadline = time.monotonic() + DEATH_GRACE_S
             while self.failure is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.failure is not None:
+                self._release_graphs()
                 raise RankFailedError(self.failure) from e
             raise
 
     def close(self) -> None:
-        """Stop the ranks and leave the process group (idempotent). Ranks waiting for a call are
-        told to stop, and every rank closes the group at once (NCCL's close is collective: a
-        rank that waited for the others to exit first would wait for ever); ranks that died, or
-        that are mid-call (a start that failed), are killed and rank 0 aborts its side."""
+        """Stop the ranks and leave the process group (idempotent; see the module docstring).
+        Ranks that died, or that are mid-call (a start that failed), are not told: they are
+        killed at once."""
         if self.closing:
             return
         self.closing = True
+        self._release_graphs()
         group = self.group
-        together = (group is not None and group.connected and self.serving
-                    and self.failure is None)
-        if together:
-            together = self._stop_together(group)
-            if not together:
-                log.warning("tensor parallel: the ranks did not close the process group "
-                            "together; stopping them")
-        for proc in self.procs.values():
-            proc.join(JOIN_S if together else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(JOIN_S)
-        if group is not None and not together:
-            with contextlib.suppress(Exception):
-                group.discard()
+        deadline = time.monotonic() + STOP_GRACE_S
+        told = (group is not None and group.connected and self.serving and self.failure is None
+                and run_bounded(lambda: group.broadcast_object(("stop", ())), STOP_GRACE_S,
+                                "telling the ranks to stop")[0])
+        clean = self._reap(deadline if told else 0.0)
+        if not clean and told:
+            log.warning("tensor parallel: a rank did not exit when told to stop; it was killed")
+        if group is not None:
+            group.leave(synchronize=clean)
 
-    @staticmethod
-    def _stop_together(group: TPGroup) -> bool:
-        """Tell the ranks to stop and close the group with them; False if either failed."""
-        try:
-            group.broadcast_object(("stop", ()))
-        except Exception:  # noqa: BLE001 -- a rank is gone: close alone instead
-            return False
-        return group.close()
+    def _reap(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic``) for the ranks to exit, then kill those
+        still running and give them ``KILL_WAIT_S`` in all to be gone; True when every rank
+        exited by itself with code 0."""
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        clean = all(p.exitcode == 0 for p in self.procs.values())
+        killed = [p for p in self.procs.values() if p.is_alive()]
+        for proc in killed:
+            proc.kill()
+        gone = time.monotonic() + KILL_WAIT_S
+        for proc in killed:
+            proc.join(max(0.0, gone - time.monotonic()))
+        return clean
 
 
 def _free_port() -> int:

@@ -45,6 +45,8 @@ class Peers(Protocol):
 
     def close(self) -> None: ...
 
+    def hold_graphs(self, graphs: DecodeGraphs) -> None: ...
+
 
 @dataclass
 class ForwardInputs:
@@ -211,9 +213,23 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the runner is collected and at
-        exit); idempotent."""
+        exit), then free the KV cache; idempotent. The runner runs nothing afterwards."""
+        self.release_graphs()
         if self.peers is not None:
             self.peers.close()
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs now (and drop the step launched ahead and the kept hidden
+        states, which live in the graphs' memory pool): under tensor parallel a graph holds the
+        NCCL communicator whose collectives it captured, which cannot be released before it."""
+        self.discard_ahead()
+        self.hidden.clear()
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     # ---- the calls every rank makes: rank 0 announces each first (``follow``) ---------------
     def _guard(self) -> contextlib.AbstractContextManager[None]:
@@ -228,7 +244,8 @@ class ModelRunner:
         """Ranks 1..N-1: make the call rank 0 announced, on this rank's shard."""
         calls = {"forward": self._forward, "replay": self._follow_replay, "logits": self._logits,
                  "logits_of": self.compute_logits, "update": self.weights_updated,
-                 "gather": self.named_weights, "weight_bytes": self.weight_bytes}
+                 "gather": self.named_weights, "weight_bytes": self.weight_bytes,
+                 "memory_allocated": self.memory_allocated}
         with torch.inference_mode():
             calls[op](*args)
 
@@ -310,6 +327,14 @@ class ModelRunner:
         with self._guard():
             self._announce("weight_bytes")
             mine = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            every = self.group.all_gather(torch.tensor([mine], device=self.device))
+            return [int(b) for b in every.tolist()]
+
+    def memory_allocated(self) -> list[int]:
+        """``torch.cuda.memory_allocated`` of each rank's device (0 on the CPU), in rank order."""
+        with self._guard():
+            self._announce("memory_allocated")
+            mine = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             every = self.group.all_gather(torch.tensor([mine], device=self.device))
             return [int(b) for b in every.tolist()]
 
@@ -427,9 +452,12 @@ class ModelRunner:
         if self.device.type != "cuda" or config.enforce_eager:
             return None
         max_len = min(self.max_model_len, self.num_blocks * config.block_size)
-        return DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
-                            config.block_size, config.attention_split_size,
-                            scratch_block=self.num_blocks)
+        graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_len,
+                              config.block_size, config.attention_split_size,
+                              scratch_block=self.num_blocks)
+        if self.peers is not None:  # released before the process group, however rank 0 ends
+            self.peers.hold_graphs(graphs)
+        return graphs
 
     def sleep(self, offload_weights: bool) -> None:
         """Free the KV cache and the CUDA graphs that read it; with ``offload_weights``, move the

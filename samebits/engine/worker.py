@@ -2,10 +2,13 @@
 
 It loads only its shard, reports over its pipe that it is ready (or why it failed), joins the
 process group, builds its own runner (its own KV cache and CUDA graphs, sized on its own device)
-in step with rank 0's, then makes every call rank 0 announces until told to stop; then it leaves
-the process group together with rank 0 (``TPGroup.close``: collective on NCCL) and exits. After
-an error, or when rank 0's process goes away (a collective with it fails, or a thread sees it
-gone), it reports and exits at once, without NCCL's teardown (which would wait for rank 0).
+in step with rank 0's, then makes every call rank 0 announces until told to stop. Then it destroys
+its CUDA graphs, waits for its device (every collective it issued has completed on every rank:
+rank 0 issued the same ones before saying stop) and exits with code 0 without touching the
+process group: no teardown of NCCL's, which waits for the graphs that captured its collectives
+and cannot be trusted to return (rank 0 releases its own side alone, ``TPGroup.leave``; the
+communicator's resources go with the process). After an error, or when rank 0's process goes away
+(a collective with it fails, or a thread sees it gone), it reports and exits with code 1.
 ``SAMEBITS_FAULTHANDLER_S`` makes it dump its stacks periodically (``samebits.env``).
 """
 
@@ -57,13 +60,15 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, pipe: Connectio
         log.info("tensor-parallel rank %d: %d KV blocks, %d CUDA graphs; serving", rank,
                  runner.num_blocks, 0 if runner.graphs is None else len(runner.graphs.graphs))
         serve(runner, group)
+        runner.release_graphs()
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
     except BaseException as e:  # noqa: BLE001 -- any failure: report it, then exit now
         with contextlib.suppress(Exception):
             pipe.send(("error", "".join(traceback.format_exception_only(e)).strip()))
         traceback.print_exc()
         _exit_now(1)
-    if not group.close():
-        _exit_now(1)
+    _exit_now(0)
 
 
 def serve(runner: ModelRunner, group: TPGroup) -> None:
@@ -76,7 +81,7 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
 
 
 def _exit_now(code: int) -> None:
-    """Exit without the interpreter's teardown (which would close NCCL, waiting for rank 0)."""
+    """Exit without the interpreter's teardown (which would tear the process group down)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -13,10 +13,12 @@ JSON stay in the server process.
 Lifetime: the process ignores SIGINT and SIGTERM (the server decides when it stops: it drains,
 then sends ``Stop``); it exits when told to or when its pipe closes (the server is gone, even by
 ``kill -9``). ``stop`` sends ``Stop``, waits, and kills the process if it does not exit.
+SIGUSR1 makes it write every thread's stack to its stderr (the server's), so a hang can be read.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import multiprocessing.util as mp_util
@@ -214,6 +216,7 @@ def _main(config: EngineConfig, conn: Connection, log_level: str, tokenizer: str
     """The engine process: build the engine, say so, run the core until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
         engine = engine_with_tokenizer(config, tokenizer)

@@ -8,8 +8,10 @@ Qwen3-8B-shaped model starts at TP 2 with the default memory settings and each r
 half of its weights; the standard mode (an NCCL all-reduce of the partial sums) differs from its
 one-GPU bits (negative control); a killed rank makes ``generate`` raise naming it within 30 s;
 the two ranks issue the same NCCL and gloo collectives in the same order through start-up (KV
-profiling, graph capture), steps and shutdown, and at shutdown they close the group together
-(NCCL's finalize is collective), rank 1 exiting by itself within seconds.
+profiling, graph capture), steps and shutdown; shutdown returns within seconds, rank 1 exiting
+by itself (code 0, no collective teardown) and rank 0 releasing its NCCL communicators alone
+after destroying its CUDA graphs (which captured NCCL collectives), leaving no process group; and
+a second TP 2 engine then starts in the same process and returns the first one's bits.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def _trace(directory: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (directory / f"rank-{rank}.jsonl").read_text().splitlines()]
 
 
-def test_ranks_issue_the_same_collectives_and_close_the_group_together(tmp_path, monkeypatch):
+def test_ranks_issue_the_same_collectives_and_shutdown_returns_within_seconds(tmp_path,
+                                                                                monkeypatch):
     monkeypatch.setenv("SAMEBITS_TP_TRACE", str(tmp_path))  # read by both ranks at connect
     llm = LLM(TINY, tensor_parallel_size=2, load_format="dummy", device="cuda",
               dtype="bfloat16", max_num_seqs=4, max_model_len=512, gpu_memory_utilization=0.5)
@@ -119,7 +122,15 @@ def test_ranks_issue_the_same_collectives_and_close_the_group_together(tmp_path,
     rank_1, start = runner.peers.procs[1], time.monotonic()
     runner.shutdown()
     assert time.monotonic() - start < 10 and rank_1.exitcode == 0
+    assert not torch.distributed.is_initialized()  # rank 0 released its side
     rank_0 = _trace(tmp_path, 0)
     assert rank_0 == _trace(tmp_path, 1)
     ops = {e["op"] for e in rank_0}
     assert {"broadcast_object:replay", "broadcast_tensor", "all_gather", "min_int"} <= ops
+
+
+def test_a_second_tp_2_engine_in_the_same_process_returns_the_same_bits(tp2):
+    llm = LLM(TINY, tensor_parallel_size=2, **OPTIONS)  # after the fixture's engine shut down
+    assert llm.engine.runner.graphs is not None
+    assert _generate(llm) == tp2
+    assert not torch.distributed.is_initialized()

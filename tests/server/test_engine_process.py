@@ -164,10 +164,19 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
-def test_engine_process_stops_with_the_server(config_path):
+def test_engine_process_writes_its_stacks_on_sigusr1_and_stops_with_the_server(config_path):
     servers = _serve_tiny(config_path)
     server = next(servers)
     engine_pid = _engine_pid(server)
+    os.kill(engine_pid, signal.SIGUSR1)  # a hang can be read: every thread's stack to the log
+    deadline = time.monotonic() + 30
+    while "engine_core.py" not in server.log_tail(20_000) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "most recent call first" in server.log_tail(20_000), server.log_tail()
+    assert "engine_core.py" in server.log_tail(20_000), server.log_tail()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text  # it goes on serving
     servers.close()  # SIGTERM: the server drains, stops the engine process, exits
     assert server.proc.returncode is not None
     assert _gone(engine_pid, timeout=5)
