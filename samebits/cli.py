@@ -229,6 +229,8 @@ DESCRIPTION = ("Reproducible LLM inference: the same request returns the same bi
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="samebits", description=DESCRIPTION,
                                      formatter_class=HELP)
+    from samebits import __version__
+    parser.add_argument("--version", action="version", version=f"samebits {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     ver = sub.add_parser("verify", help="check that batching does not change the bits (locally, "

@@ -171,3 +171,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_version_flag_prints_the_version(capsys):
+    """``samebits --version``, as ``vllm --version``."""
+    import samebits
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"samebits {samebits.__version__}"
