@@ -20,7 +20,12 @@ from samebits.engine.engine import LLMEngine
 from samebits.engine.fanout import best, candidates, request_seed
 from samebits.engine.pooling import PoolingSequence, embedding_inputs
 from samebits.engine.sequence import Sequence
-from samebits.llm_options import check_options, loaded_with_tokenizer, local_model
+from samebits.llm_options import (
+    check_options,
+    engine_options,
+    loaded_with_tokenizer,
+    local_model,
+)
 from samebits.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -46,7 +51,9 @@ class LLM:
     ``download_dir`` (for hub ids), ``quantization`` (None, or "gguf" for a .gguf file),
     ``trust_remote_code`` (accepted: samebits never runs code from a checkpoint),
     ``gpu_memory_utilization`` (CUDA: the share of GPU memory the engine may hold),
-    ``enable_sleep_mode`` (``sleep`` / ``wake_up``). Other keyword options are ``EngineConfig``
+    ``enable_sleep_mode`` (``sleep`` / ``wake_up``); ``disable_log_stats``, ``swap_space``,
+    ``enable_chunked_prefill``, ``disable_custom_all_reduce`` are accepted and change nothing
+    (``llm_options.NO_EFFECT`` says why). Other keyword options are ``EngineConfig``
     fields: device, dtype, batch_invariant, max_num_seqs, max_num_batched_tokens, max_model_len,
     block_size, num_kv_blocks, enable_prefix_caching, seed, load_format, task...
     """
@@ -57,7 +64,7 @@ class LLM:
                  enable_sleep_mode: bool = False, **kwargs: Any) -> None:
         check_options(model, quantization, trust_remote_code, kwargs)
         model = local_model(model, revision, download_dir)
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = EngineConfig(model=model, **engine_options(kwargs))
         self.enable_sleep_mode = enable_sleep_mode
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizer | None = None

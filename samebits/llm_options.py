@@ -1,6 +1,7 @@
 """vLLM's ``LLM(...)`` options that are not ``EngineConfig`` fields, each honoured or refused by
 name: hub ids (``revision``, ``download_dir``), ``tokenizer``, ``quantization``,
-``trust_remote_code``."""
+``trust_remote_code``, and the options that tune vLLM's own machinery without touching the
+output (``NO_EFFECT``: accepted, each said once in a log line with the reason)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,27 @@ from samebits.log import get_logger
 QUANTIZATIONS = (None, "gguf")  # gguf: a .gguf file, dequantized once to ``dtype``
 log = get_logger("llm")
 _said_no_remote_code = False
+NO_EFFECT = {  # vLLM's LLM() options RL frameworks pass that change no output: why not here
+    "disable_log_stats": "samebits logs no engine statistics offline",
+    "swap_space": "samebits never swaps KV blocks to host memory (a preempted request is "
+                  "recomputed, to the same bits)",
+    "enable_chunked_prefill": "samebits always chunks long prompts (max_num_batched_tokens), "
+                              "and chunk boundaries never change the bits",
+    "disable_custom_all_reduce": "samebits' tensor-parallel sums are its own fixed-order ones",
+}
+_said_no_effect: set[str] = set()
 
 
 def check_options(model: str | None, quantization: str | None, trust_remote_code: bool,
                   kwargs: dict[str, Any]) -> None:
     """vLLM's options samebits takes, each honoured or refused by name."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    unknown = sorted(set(kwargs) - names)
+    unknown = sorted(set(kwargs) - names - set(NO_EFFECT))
     if unknown:
         raise TypeError(f"LLM() got unsupported option(s) {unknown}: samebits does not take them "
                         f"(and never ignores an option); it takes {sorted(names)} and tokenizer, "
                         "revision, download_dir, quantization, trust_remote_code, "
-                        "enable_sleep_mode")
+                        f"enable_sleep_mode (and, with no effect, {sorted(NO_EFFECT)})")
     gguf = model is None or str(model).endswith(".gguf")
     if quantization not in QUANTIZATIONS or (quantization == "gguf" and not gguf):
         raise ValueError(f"quantization={quantization!r} is not supported: samebits runs "
@@ -36,6 +46,14 @@ def check_options(model: str | None, quantization: str | None, trust_remote_code
         _said_no_remote_code = True
         log.info("trust_remote_code=True is accepted and changes nothing: samebits never runs "
                  "code from a checkpoint; it loads only the architectures it implements")
+
+
+def engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the ``NO_EFFECT`` options, each logged once (with its reason)."""
+    for name in sorted(set(kwargs) & set(NO_EFFECT) - _said_no_effect):
+        _said_no_effect.add(name)
+        log.info("%s is accepted and changes nothing: %s", name, NO_EFFECT[name])
+    return {k: v for k, v in kwargs.items() if k not in NO_EFFECT}
 
 
 def local_model(model: str | None, revision: str | None, download_dir: str | None

@@ -1,7 +1,8 @@
 """vLLM's ``LLM`` options and pooling calls: each honoured or refused by name. ``tokenizer=``
 replaces the model's tokenizer; ``quantization`` takes None or "gguf" and names them otherwise;
-``trust_remote_code`` is accepted and says once that no checkpoint code runs; an unknown option is
-an error naming it; ``embed`` / ``encode`` return vLLM's objects, also from a generation ``LLM``
+``trust_remote_code`` is accepted and says once that no checkpoint code runs, as are the options
+that tune vLLM's machinery without touching the output (``disable_log_stats``...); an unknown
+option is an error naming it; ``embed`` / ``encode`` return vLLM's objects, also from a generation ``LLM``
 built with a decoder embedding model (bitwise ``LLM(task="embed")``'s vectors), and a generation
 model without pooling config gets an error naming the fix."""
 
@@ -42,8 +43,8 @@ def word_tokenizer_dir(tmp_path_factory):
 
 
 def test_unknown_options_and_quantizations_are_refused_by_name(config_file):
-    with pytest.raises(TypeError, match="'swap_space'"):
-        LLM(config_file, load_format="dummy", swap_space=4)
+    with pytest.raises(TypeError, match="'enable_lora'"):
+        LLM(config_file, load_format="dummy", enable_lora=True)
     with pytest.raises(ValueError, match="quantization='awq'.*None and 'gguf'"):
         LLM(config_file, load_format="dummy", quantization="awq")
     with pytest.raises(ValueError, match="quantization='gguf'"):
@@ -61,6 +62,22 @@ def test_trust_remote_code_is_accepted_and_says_no_code_runs_once(config_file, c
             LLM(config_file, load_format="dummy", num_kv_blocks=8, trust_remote_code=True)
     said = [r for r in caplog.records if "trust_remote_code" in r.getMessage()]
     assert len(said) == 1 and "never runs code from a checkpoint" in said[0].getMessage()
+
+
+def test_options_of_vllms_machinery_are_accepted_and_each_said_once(config_file, caplog,
+                                                                     monkeypatch):
+    """What RL frameworks pass to vLLM's LLM() and that changes no output here: accepted, each
+    logged once with the reason; the engine is the one built without them."""
+    import samebits.llm_options
+    monkeypatch.setattr(samebits.llm_options, "_said_no_effect", set())
+    given = dict(disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
+                 disable_custom_all_reduce=True)
+    with caplog.at_level(logging.INFO, logger="samebits"):
+        for _ in range(2):
+            llm = LLM(config_file, load_format="dummy", num_kv_blocks=8, **given)
+    said = [r.getMessage() for r in caplog.records if "changes nothing" in r.getMessage()]
+    assert sorted(m.split()[0] for m in said) == sorted(given)
+    assert llm.config == LLM(config_file, load_format="dummy", num_kv_blocks=8).config
 
 
 def test_tokenizer_option_replaces_the_models_tokenizer(config_file, word_tokenizer_dir):
