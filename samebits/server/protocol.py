@@ -147,12 +147,16 @@ class SamplingFields(_Request):
 
 
 def token_id_keys(value: dict[str, float] | None) -> dict[int, float] | None:
-    """``logit_bias`` with its JSON string keys as token ids; a key that is not one is named."""
+    """``logit_bias`` with its JSON string keys as token ids; keys that are not are all named."""
     if value is None:
         return None
-    for k in value:
-        if not (k.isascii() and k.isdigit()):
-            raise ValueError(f"key {k!r} is not a token id (a non-negative integer, as a string)")
+    bad = [k for k in value if not (k.isascii() and k.isdigit())]
+    if bad:
+        keys = ", ".join(repr(k) for k in bad[:10]) + (f" (and {len(bad) - 10} more)"
+                                                      if len(bad) > 10 else "")
+        raise ValueError(f"key{'s' if len(bad) > 1 else ''} {keys} "
+                         f"{'are not token ids' if len(bad) > 1 else 'is not a token id'} "
+                         "(a non-negative integer, as a string)")
     return {int(k): v for k, v in value.items()}
 
 

@@ -143,7 +143,8 @@ def _sampling_params(req: ResponsesRequest, max_tokens: int,
     except ValueError as e:
         error = from_value_error(e)
     if error.param == "max_tokens":  # the wire name of SamplingParams.max_tokens
-        raise APIError(400, f"max_output_tokens: {error.message}", param="max_output_tokens")
+        raise APIError(400, "max_output_tokens" + error.message.removeprefix("max_tokens"),
+                       param="max_output_tokens")
     raise error
 
 

@@ -261,6 +261,8 @@ BAD = [  # (path, body, param, words in the message)
     ("/v1/completions", dict(prompt="hi", stream_options={"include_usage": True}),
      "stream_options", "stream"),
     ("/v1/completions", dict(prompt="hi", logit_bias={"abc": 1}), "logit_bias", "'abc'"),
+    ("/v1/chat/completions", dict(messages=ASK, logit_bias={"bad1": 1, "7": 1, "bad2": 2}),
+     "logit_bias", "keys 'bad1', 'bad2' are not token ids"),
     ("/v1/completions", dict(prompt="hi", logit_bias={"5": 500}), "logit_bias", "[-100, 100]"),
     ("/v1/completions", dict(prompt="hi", allowed_token_ids=[10**9]), "allowed_token_ids",
      "vocabulary"),
