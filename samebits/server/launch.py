@@ -22,6 +22,8 @@ NO_EFFECT = {
                                "parsed (tool_choice 'auto' is the default with tools)",
     "tool_call_parser": "--tool-call-parser has no effect: samebits always parses Hermes "
                         "<tool_call> blocks",
+    "enable_tokenizer_info_endpoint": "--enable-tokenizer-info-endpoint has no effect: "
+                                      "GET /tokenizer_info is always served",
 }
 
 

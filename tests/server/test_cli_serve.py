@@ -55,7 +55,8 @@ def test_vllm_flags_are_accepted_with_their_meaning():
     assert not EngineConfig.from_cli_args(args).enable_prefix_caching
     assert EngineConfig.from_cli_args(_serve("--enable-prefix-caching")).enable_prefix_caching
     assert (args.max_logprobs, args.tokenizer, args.served_model_name) == (5, "tok", ["a", "b"])
-    assert args.enable_prompt_tokens_details
+    assert args.enable_prompt_tokens_details and not args.no_engine_process
+    assert _serve("--disable-frontend-multiprocessing").no_engine_process  # vLLM's name for it
     for bad in (["--max-logprobs", "21"], ["--tool-call-parser", "mistral"], ["--port", "99999"]):
         with pytest.raises(SystemExit):
             _serve(*bad)
@@ -72,7 +73,7 @@ def test_flags_without_effect_are_logged_with_the_reason(monkeypatch, capsys):
     started = _no_load(monkeypatch)
     code = main(["serve", "--port", str(_free_port()), "--trust-remote-code",
                  "--disable-log-requests", "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes"])
+                 "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint"])
     assert code == 0 and len(started) == 1
     err = capsys.readouterr().err
     assert [line for line in NO_EFFECT.values() if line not in err] == []
