@@ -49,6 +49,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     num_preemptions: int  # since start
+    num_scheduled_tokens: int  # since start: the tokens every step ran
 
 
 class LLMEngine:
@@ -217,7 +218,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, pool = self.scheduler, self.kv.pool
         return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks,
-                           pool.num_used, sched.num_preemptions)
+                           pool.num_used, sched.num_preemptions,
+                           sched.num_scheduled_tokens)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

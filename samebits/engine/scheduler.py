@@ -49,6 +49,7 @@ class Scheduler:
         self.paused: dict[str, bool] = {}  # paused request id -> it was running (holds blocks)
         self._paused_seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_scheduled_tokens = 0  # since start: prompt and decode tokens of every step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,6 +62,7 @@ class Scheduler:
         self._prefill_left = self.prefill_chunk
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._schedule_waiting(batch, budget)
+        self.num_scheduled_tokens += sum(batch.num_new_tokens)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:

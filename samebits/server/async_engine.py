@@ -285,9 +285,16 @@ class AsyncEngine:
         if stats.generation_tokens:
             m.generation_tokens.inc(stats.generation_tokens)
         for name, values in (("batch_size", stats.batch_sizes), ("ttft", stats.ttft),
-                             ("itl", stats.itl), ("e2e", stats.e2e)):
+                             ("itl", stats.itl), ("e2e", stats.e2e),
+                             ("queue_time", stats.queue_time),
+                             ("prefill_time", stats.prefill_time),
+                             ("decode_time", stats.decode_time),
+                             ("inference_time", stats.inference_time),
+                             ("iteration_tokens", stats.iteration_tokens)):
             for value in values:  # an embedding loop's metrics have no token latencies
                 getattr(m, name).observe(value)
+        if stats.preemptions:
+            m.preemptions.inc(stats.preemptions)
         for reason, count in stats.finished.items():
             m.finished.labels(reason=reason).inc(count)
         for name in ("canary_checks", "canary_mismatches", "canary_dropped"):

@@ -51,7 +51,9 @@ class EmbeddingEngineMetrics:
         self.prompt_tokens = metrics.embedding_tokens
         self.batch_size = metrics.embedding_batch_size
         self.finished = _FinishedInputs(metrics)
-        self.kv_blocks_total = _Unreported()
+        self.kv_blocks_total = self.preemptions = _Unreported()
+        self.queue_time = self.prefill_time = self.decode_time = _Unreported()
+        self.inference_time = self.iteration_tokens = _Unreported()
 
     def set_engine_state(self, running: int, waiting: int, kv_blocks: int) -> None:
         """The generation model's gauges: not set from here."""
@@ -63,6 +65,8 @@ class _Unreported:
     def set(self, value: float) -> None: ...
 
     def inc(self, amount: float = 1) -> None: ...
+
+    def observe(self, value: float) -> None: ...
 
 
 class _FinishedInputs:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from samebits.engine.engine import LLMEngine
+from samebits.engine.engine import EngineStats, LLMEngine
 from samebits.engine.fanout import seed_requests
 from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import Sequence, SequenceStatus
@@ -115,6 +115,12 @@ class CoreStats:
     ttft: list[float] = field(default_factory=list)  # arrival -> first token, seconds
     itl: list[float] = field(default_factory=list)  # between two tokens of one request
     e2e: list[float] = field(default_factory=list)  # arrival -> finish, per engine request
+    queue_time: list[float] = field(default_factory=list)  # arrival -> first scheduled
+    prefill_time: list[float] = field(default_factory=list)  # first scheduled -> first token
+    decode_time: list[float] = field(default_factory=list)  # first token -> finish
+    inference_time: list[float] = field(default_factory=list)  # first scheduled -> finish
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens each step ran
+    preemptions: int = 0
     dequeued: int = 0  # requests that left the queue (running, finished, refused or aborted)
     canary_checks: int = 0
     canary_mismatches: int = 0
@@ -176,6 +182,8 @@ class _Tracked:
     seen: int = 0  # tokens counted in the metrics
     sent: int = 0  # tokens delivered
     last_token: float = 0.0
+    first_token: float = 0.0
+    scheduled: float | None = None  # when the step that first took it in began
 
 
 class EngineCore:
@@ -305,6 +313,7 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def _step(self) -> None:
+        start, before = time.monotonic(), self.engine.stats()
         try:
             progressed = self.engine.step()
         except Exception as e:
@@ -318,19 +327,31 @@ class EngineCore:
             self.canary.abort_parked(self.engine)  # the KV blocks go to the waiting requests
         if progressed:
             self._out.stats.batch_sizes.append(len(progressed))
-        self._mark_running()
+        self._count_step(before)
+        self._mark_running(start)
         now = time.monotonic()
         for seq in progressed:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
                 self._deliver_alone(seq, tracked, now)
 
-    def _mark_running(self) -> None:
-        """Requests the scheduler has taken in leave the queue count."""
+    def _count_step(self, before: EngineStats) -> None:
+        after, stats = self.engine.stats(), self._out.stats
+        if ran := after.num_scheduled_tokens - before.num_scheduled_tokens:
+            stats.iteration_tokens.append(ran)
+        stats.preemptions += after.num_preemptions - before.num_preemptions
+
+    def _mark_running(self, step_start: float) -> None:
+        """Requests the scheduler has taken in leave the queue count; their queue time ends
+        when the step that took them in began."""
         started = [rid for rid in self._queued
                    if self._tracked[rid].seq.status is not SequenceStatus.WAITING]
         self._queued.difference_update(started)
         self._out.stats.dequeued += len(started)
+        for rid in started:
+            t = self._tracked[rid]
+            t.scheduled = step_start
+            self._out.stats.queue_time.append(step_start - t.arrival)
 
     def _deliver_alone(self, seq: Sequence, t: _Tracked, now: float) -> None:
         """``_deliver``, or the request's own error: a request that failed alone in the step, or
@@ -357,6 +378,8 @@ class EngineCore:
             stats.generation_tokens += total - t.seen
             if t.seen == 0:
                 stats.ttft.append(now - t.arrival)
+                stats.prefill_time.append(now - (t.scheduled or t.arrival))
+                t.first_token = now
             else:
                 stats.itl.append(now - t.last_token)
             t.seen, t.last_token = total, now
@@ -366,6 +389,9 @@ class EngineCore:
             self.canary.offer(seq)
             stats.finished[seq.finish_reason or "unknown"] += 1
             stats.e2e.append(now - t.arrival)
+            stats.inference_time.append(now - (t.scheduled or t.arrival))
+            if t.seen:
+                stats.decode_time.append(now - t.first_token)
         elif t.stream and total > t.sent:
             s = slice(t.sent, total)
             prompt_logprobs = self.engine.output.prompt_logprobs(seq) if t.sent == 0 else None

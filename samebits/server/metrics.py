@@ -133,6 +133,11 @@ class Metrics:
                                    "tokens of one request", buckets=_LATENCY_BUCKETS, registry=r),
                          vllm.itl)
         self.e2e = vllm.e2e  # arrival to finish, per engine request
+        # per engine request: arrival -> first scheduled -> first token -> finish (vLLM's phases)
+        self.queue_time, self.prefill_time = vllm.queue_time, vllm.prefill_time
+        self.decode_time, self.inference_time = vllm.decode_time, vllm.inference_time
+        self.iteration_tokens = vllm.iteration_tokens  # tokens each engine step ran
+        self.preemptions = vllm.num_preemptions
         self.invariant = Gauge("samebits_batch_invariant", "1 when the batch-invariant numerics "
                                "are on, 0 in standard mode", registry=r)
         self.invariant.set(1 if batch_invariant else 0)
@@ -230,5 +235,16 @@ class _VLLM:
                                         "queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = one(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in "
                                      "terms of number of cached tokens.")
+        self.num_preemptions = one(Counter, "vllm:num_preemptions", "Cumulative number of "
+                                   "preemption from the engine.")
+        self.iteration_tokens = one(Histogram, "vllm:iteration_tokens_total", "Histogram of "
+                                    "number of tokens per engine_step.", buckets=tokens)
+        phases = (("queue_time", "request_queue_time_seconds", "in WAITING phase"),
+                  ("inference_time", "request_inference_time_seconds", "in RUNNING phase"),
+                  ("prefill_time", "request_prefill_time_seconds", "in PREFILL phase"),
+                  ("decode_time", "request_decode_time_seconds", "in DECODE phase"))
+        for attr, name, phase in phases:
+            setattr(self, attr, one(Histogram, f"vllm:{name}", f"Histogram of time spent {phase} "
+                                    "for request.", buckets=_LATENCY_BUCKETS))
         self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine "
                                   "CacheConfig", ["block_size", "num_gpu_blocks"], registry=r)

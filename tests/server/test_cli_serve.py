@@ -145,7 +145,14 @@ def test_the_served_app_answers_to_every_name(tiny_config):
             "vllm:request_generation_tokens_sum": 2.0, "vllm:request_params_n_count": 1.0,
             "vllm:request_params_max_tokens_sum": 2.0,
             "vllm:prefix_cache_queries_total": float(out["usage"]["prompt_tokens"]),
-            "vllm:prefix_cache_hits_total": 0.0, "vllm:cache_config_info": 1.0}
+            "vllm:prefix_cache_hits_total": 0.0, "vllm:cache_config_info": 1.0,
+            "vllm:num_preemptions_total": 0.0,
+            # the prompt's step, then one decode step for the second token
+            "vllm:iteration_tokens_total_sum": float(out["usage"]["prompt_tokens"] + 1),
+            "vllm:request_queue_time_seconds_count": 1.0,
+            "vllm:request_prefill_time_seconds_count": 1.0,
+            "vllm:request_decode_time_seconds_count": 1.0,
+            "vllm:request_inference_time_seconds_count": 1.0}
         assert out["usage"]["prompt_tokens_details"] is None  # vLLM's default
 
 
@@ -158,7 +165,11 @@ def _vllm_metrics(text: str) -> dict[str, float]:
               "vllm:request_success_total", "vllm:request_prompt_tokens_sum",
               "vllm:request_generation_tokens_sum", "vllm:request_params_n_count",
               "vllm:request_params_max_tokens_sum", "vllm:prefix_cache_queries_total",
-              "vllm:prefix_cache_hits_total", "vllm:cache_config_info"}
+              "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
+              "vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum",
+              "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+              "vllm:request_decode_time_seconds_count",
+              "vllm:request_inference_time_seconds_count"}
     found = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
