@@ -10,7 +10,12 @@ model's name), so a vLLM dashboard or alert reads a samebits server unchanged:
 fraction, as vLLM's), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds`` and ``vllm:request_success_total`` (by
-``finished_reason``: stop, length, abort). The engine loop writes each pair through one name
+``finished_reason``: stop, length, abort); vLLM-only: ``vllm:num_preemptions_total``,
+``vllm:iteration_tokens_total`` (tokens each engine step ran) and each request's phases,
+``vllm:request_queue_time_seconds`` (arrival to the step that took it in),
+``vllm:request_prefill_time_seconds`` (to its first token), ``vllm:request_decode_time_seconds``
+(first token to finish) and ``vllm:request_inference_time_seconds`` (scheduled to finish). The
+engine loop writes each pair through one name
 (``prompt_tokens.inc``, ``ttft.observe``, ...): the two never disagree. The serving layer adds,
 per finished engine request (one per choice), ``vllm:request_prompt_tokens``,
 ``vllm:request_generation_tokens``, ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
