@@ -72,11 +72,13 @@ def test_vllm_sampling_extensions_act_as_on_chat(server):
     free = client.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **greedy)
     stop = free.output_text.split()[2]  # a word the answer reaches
     for extra in ({"stop": [stop]}, {"stop": stop, "include_stop_str_in_output": True},
+                  {"logit_bias": {"28": 100.0}}, {"skip_special_tokens": False},
                   {"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.1}):
         out = client.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **greedy,
                                       extra_body=extra)
         chat = _chat(server, max_tokens=12, temperature=0.0, **extra).json()["choices"][0]
         assert out.output_text == chat["message"]["content"], extra
+        assert "logit_bias" not in extra or out.output_text != free.output_text  # it acts
     assert out.usage.output_tokens == 12
     bad = httpx.post(f"{server.url}/v1/responses", headers=server.headers, timeout=60,
                      json=dict(model=MODEL, input="hi", logit_bias={"x": 1}))
