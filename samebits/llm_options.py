@@ -20,7 +20,7 @@ NO_EFFECT = {  # vLLM's LLM() options RL frameworks pass that change no output: 
     "swap_space": "samebits never swaps KV blocks to host memory (a preempted request is "
                   "recomputed, to the same bits)",
     "enable_chunked_prefill": "samebits always chunks long prompts (max_num_batched_tokens), "
-                              "and chunk boundaries never change the bits",
+                              "and in the invariant mode chunk boundaries never change the bits",
     "disable_custom_all_reduce": "samebits' tensor-parallel sums are its own fixed-order ones",
 }
 _said_no_effect: set[str] = set()
@@ -49,11 +49,25 @@ def check_options(model: str | None, quantization: str | None, trust_remote_code
 
 
 def engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without the ``NO_EFFECT`` options, each logged once (with its reason)."""
+    """``kwargs`` without the ``NO_EFFECT`` options, each logged once (with its reason).
+    ``enable_chunked_prefill=False`` is refused in the standard mode, where a prompt's chunking
+    can change its bits and samebits would not honour it."""
+    _check_chunked_prefill(kwargs)
     for name in sorted(set(kwargs) & set(NO_EFFECT) - _said_no_effect):
         _said_no_effect.add(name)
         log.info("%s is accepted and changes nothing: %s", name, NO_EFFECT[name])
     return {k: v for k, v in kwargs.items() if k not in NO_EFFECT}
+
+
+def _check_chunked_prefill(kwargs: dict[str, Any]) -> None:
+    invariant = kwargs.get("batch_invariant", EngineConfig.__dataclass_fields__[
+        "batch_invariant"].default_factory())
+    if kwargs.get("enable_chunked_prefill", True) is False and not invariant:
+        raise ValueError("enable_chunked_prefill=False is not supported with "
+                         "batch_invariant=False: samebits chunks every prompt longer than "
+                         "max_num_batched_tokens, and in the standard mode the chunking can "
+                         "change the bits; leave it unset, or use the invariant mode (where "
+                         "chunking never changes them)")
 
 
 def local_model(model: str | None, revision: str | None, download_dir: str | None

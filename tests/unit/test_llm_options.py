@@ -80,6 +80,17 @@ def test_options_of_vllms_machinery_are_accepted_and_each_said_once(config_file,
     assert llm.config == LLM(config_file, load_format="dummy", num_kv_blocks=8).config
 
 
+def test_chunked_prefill_off_is_refused_where_chunking_can_change_the_bits(config_file):
+    """Standard mode: a prompt's chunking may change its bits, and samebits always chunks, so
+    ``enable_chunked_prefill=False`` would be silently ignored: refused, naming it. The invariant
+    mode takes it (chunk boundaries never change the bits there)."""
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
+        LLM(config_file, load_format="dummy", num_kv_blocks=8, batch_invariant=False,
+            enable_chunked_prefill=False)
+    llm = LLM(config_file, load_format="dummy", num_kv_blocks=8, enable_chunked_prefill=False)
+    assert llm.config.batch_invariant
+
+
 def test_tokenizer_option_replaces_the_models_tokenizer(config_file, word_tokenizer_dir):
     llm = LLM(config_file, load_format="dummy", num_kv_blocks=8,
               tokenizer=str(word_tokenizer_dir))
