@@ -9,10 +9,13 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   and up, two ``output_sizes``) splits each packed shard the same way, so a rank's q/k/v rows are
   its KV groups' and its gate/up rows the intermediate slices its down_proj columns multiply.
 - ``RowParallelLinear``: input columns split; owns the segmented-K arithmetic. A rank computes one
-  fp32 partial product per owned K segment, the partials of all ranks are gathered and added in
-  segment order, cast once, then the bias is added: on one device ``ops.linear(..., k_bounds)``
-  computes exactly this in one call (``samebits.ops.backend``). So N = 1, 2, 3... give the same
-  bits. The standard mode all-reduces one local product instead (its bits depend on N).
+  fp32 partial product per owned K segment; the S partials are added in ``tree_sum``'s balanced
+  tree order, cast once, then the bias is added: on one device ``ops.linear(..., k_bounds)``
+  computes exactly this in one call (``samebits.ops.backend``). Where a rank's S/N segments form a
+  subtree of that tree (``rank_blocks_are_subtrees``: N a power of two dividing S, among others),
+  the rank tree-sums its own partials and the ranks gather one fp32 [..., H] sum each, tree-summed
+  in rank order; otherwise every partial is gathered and tree-summed. So N = 1, 2, 3... give the
+  same bits. The standard mode all-reduces one local product instead (its bits depend on N).
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
 
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.distributed.group import TPGroup
-from samebits.ops.backend import KBounds, OpBackend, bounds, ordered_sum
+from samebits.ops.backend import KBounds, OpBackend, bounds, rank_blocks_are_subtrees, tree_sum
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated_param(output_size) if bias else None
         # this rank's K segments, in its own columns; None: one K chain (a negative control)
         self.k_bounds: KBounds | None = spec.local_bounds()
+        # this rank's segments are a subtree of the S-partial tree: it gathers one sum, not S/N
+        self.local_subtree = rank_blocks_are_subtrees(segments, group.world_size)
 
     def segments(self, ops: OpBackend) -> KBounds | None:
         """The K segments in force: the backend's choice on one device; under tensor parallel
@@ -160,12 +165,17 @@ class RowParallelLinear(nn.Module):
         return self.gathered(ops, x)
 
     def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's per-segment partials gathered and added in segment order, cast, then the
-        bias: the bits of ``ops.linear(x_full, w_full, b, k_bounds)`` on one device."""
-        partials = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
-        out = ordered_sum(partials).to(x.dtype)
+        """The S segment partials tree-summed, cast, then the bias: the bits of
+        ``ops.linear(x_full, w_full, b, k_bounds)`` on one device. Where this rank's segments
+        are a subtree, it sums them itself and the ranks gather one fp32 sum each; else every
+        partial is gathered."""
+        partials = ops.linear_partials(x, self.weight, self.k_bounds)
+        if self.local_subtree:
+            every = self.group.all_gather(tree_sum(partials).unsqueeze(0))  # [N, ..., H]
+        else:
+            every = self.group.all_gather(partials)  # [S, ..., H]
+        out = tree_sum(every).to(x.dtype)
         return out if self.bias is None else out + self.bias
-
 
 class VocabParallelEmbedding(nn.Module):
     """Token ids -> rows of the embedding table; a rank holds its vocab segments' rows."""

@@ -15,11 +15,14 @@ Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.models.p
 ``k_bounds`` = ((0, k1), (k1, k2), ..., (k_{S-1}, K)), ``linear`` computes one partial product per
 K segment, each accumulated from zero in the backend's accumulation dtype (fp32; fp64 for fp64
 inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
-partials in segment order, ``((p0 + p1) + p2) + ...``, casts once to x's dtype and then adds the
-bias. ``linear_partials`` returns those partials unsummed. A tensor-parallel rank computes its own
-segments' partials and the ranks' partials are added in the same order, so one device and N
-ranks give the same bits. Invariant backends must honour ``k_bounds``; the standard backends
-ignore it in ``linear`` (stock ``F.linear``: the negative control, not TP-invariant).
+partials in the fixed balanced tree order of ``tree_sum``, casts once to x's dtype and then adds
+the bias. ``linear_partials`` returns those partials unsummed. A tensor-parallel rank computes its
+own segments' partials; where the ranks' blocks of S/N segments are subtrees of that tree
+(``rank_blocks_are_subtrees``: N a power of two dividing S, among others) each rank sums its own
+block and the N block sums are tree-summed, else every partial is gathered and tree-summed: either
+way one device and N ranks give the same bits. Invariant backends must honour ``k_bounds``; the
+standard backends ignore it in ``linear`` (stock ``F.linear``: the negative control, not
+TP-invariant).
 """
 
 from __future__ import annotations
@@ -208,12 +211,52 @@ def check_k_bounds(k_bounds: KBounds, k: int) -> None:
         raise ValueError(f"k_bounds {k_bounds} do not tile [0, {k})")
 
 
-def ordered_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-    """``((p0 + p1) + p2) + ...`` over the leading index, in the partials' dtype."""
-    acc = partials[0].clone()
-    for p in partials[1:]:
-        acc += p
-    return acc
+def tree_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """The sum over the leading index in the fixed balanced tree order, in the partials' dtype:
+    ``tree(p[0..n))`` is p0 for n == 1, else ``tree(p[0..h)) + tree(p[h..n))`` with h = (n + 1)
+    // 2 (the left half the larger). n <= 3: the chain ``(p0 + p1) + p2``; n a power of two: the
+    pairs (0, 1), (2, 3) ..., then pairs of pairs, computed level by level (log2 n adds of
+    strided halves, the same additions). n == 1 returns ``partials[0]`` itself (a view)."""
+    n = len(partials)
+    if n == 0:
+        raise ValueError("tree_sum of no partials")
+    if isinstance(partials, torch.Tensor) and n & (n - 1) == 0:
+        return _tree_by_levels(partials)
+    return _tree_by_halves(partials, 0, n)
+
+
+def _tree_by_levels(partials: torch.Tensor) -> torch.Tensor:
+    """The tree of a power-of-two count: each level adds the even entries to the odd ones."""
+    while len(partials) > 1:
+        partials = partials[0::2] + partials[1::2]
+    return partials[0]
+
+
+def _tree_by_halves(partials: torch.Tensor | list[torch.Tensor], lo: int, hi: int
+                    ) -> torch.Tensor:
+    """The tree of partials[lo:hi], recursively (any count)."""
+    if hi - lo == 1:
+        return partials[lo]
+    h = lo + (hi - lo + 1) // 2
+    return _tree_by_halves(partials, lo, h) + _tree_by_halves(partials, h, hi)
+
+
+def rank_blocks_are_subtrees(segments: int, world_size: int) -> bool:
+    """Whether ``tree_sum`` over ``segments`` partials equals ``tree_sum`` of the sums of its
+    ``world_size`` contiguous blocks of S/N (each block tree-summed alone): every split of the
+    tree down to the blocks falls on a block boundary, where the tree of the N block sums splits
+    too. True when N is a power of two dividing S (and for N == S); false e.g. for S = 6, N = 3."""
+    if world_size < 1 or segments % world_size:
+        return False
+    block = segments // world_size
+
+    def aligned(blocks: int) -> bool:  # the tree over `blocks` blocks of `block` segments
+        if blocks == 1:
+            return True
+        h = (blocks + 1) // 2
+        return ((blocks * block + 1) // 2 == h * block and aligned(h) and aligned(blocks - h))
+
+    return aligned(world_size)
 
 
 def norm_with_residual(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],

@@ -3,7 +3,8 @@
 - ``linear``: each output element is one fma chain over K in ascending order (the C++ kernel of
   ``cpu_kernels``), whatever the number of rows, their position or the thread count. With
   ``k_bounds`` (segmented K, ``samebits.ops.backend``): the chain restarts from zero at every
-  segment boundary and the fp32 partials are added in segment order, in the kernel.
+  segment boundary and the fp32 partials are added in ``tree_sum``'s balanced tree order, in the
+  kernel.
   ``linear_partials`` (a tensor-parallel rank's partials) runs one call per segment on its
   contiguous slice (the weight's K slices packed once and kept): the same partials.
 - ``silu_mul`` with ``k_bounds``: one SiLU call per down_proj K segment (a rank's shapes).

@@ -21,12 +21,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at the 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from samebits.ops import reference  # noqa: E402
-from samebits.ops.backend import AttentionMetadata  # noqa: E402
+from samebits.ops.backend import AttentionMetadata, tree_sum  # noqa: E402
 
-_MODULES = ["activation", "attention_kernels", "attention", "gumbel", "linear", "rms_norm", "rope",
+_MODULES = ["activation", "attention_kernels", "attention", "gumbel", "linear_kernels", "linear",
+            "rms_norm", "rope",
             "softmax"]
 for _name in _MODULES:  # re-import under the interpreter if something imported them compiled
     _full = f"samebits.ops.triton.{_name}"
@@ -44,9 +45,9 @@ from samebits.ops.triton import softmax as SM  # noqa: E402
 CFG = L.GemmConfig(16, 16, 64, 4, 2)
 
 
-def _lin(x: torch.Tensor, w: torch.Tensor, b=None, cfg=CFG, segs=1, split=None):
+def _lin(x: torch.Tensor, w: torch.Tensor, b=None, cfg=CFG, segs=1):
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    L.run(x, w, b, out, cfg, segs, split=split)
+    L.run(x, w, b, out, cfg, segs)
     return out
 
 
@@ -76,12 +77,29 @@ def test_linear_tma_kernel_matches_pointer_kernel() -> None:
     assert torch.equal(_lin(x[5:9], w, b, cfg=tma), ref[5:9])
 
 
-def test_linear_split_equals_fused_and_public_api() -> None:
+@pytest.mark.parametrize("segs", [2, 3, 4, 5, 8])
+def test_linear_segments_are_tree_summed_with_the_bias_then_cast(segs) -> None:
+    """Uniform segments (the kernel's own, a bias): the fp32 partials ``partials`` gives, added
+    in tree order (the sum kernel for 2, 4, 8; torch for 3, 5), plus the bias, cast once."""
+    torch.manual_seed(1)
+    k = 80 * segs
+    x, w = torch.randn(20, k) * torch.logspace(0, 3, k), torch.randn(40, k) / 28
+    b = torch.randn(40)
+    layout = L.SegmentLayout(segs, 80)
+    parts = torch.empty(segs, 20, 40)
+    L.run(x, w, None, parts, CFG, layout)
+    want = tree_sum(parts) + b
+    assert torch.equal(_lin(x, w, b, segs=layout), want)
+    assert not torch.equal(_lin(x, w, b), want)  # one K chain: other bits
+    h = x.half()
+    L.run(h, w.half(), None, parts, CFG, layout)
+    assert torch.equal(_lin(h, w.half(), b.half(), segs=layout), (tree_sum(parts) + b.half()
+                                                                  .float()).half())
+
+
+def test_linear_public_api() -> None:
     torch.manual_seed(1)
     x, w = torch.randn(20, 768).half(), (torch.randn(40, 768) / 28).half()
-    for segs in (1, 2, 3):
-        fused = _lin(x, w, segs=segs, split=False)
-        assert torch.equal(_lin(x, w, segs=segs, split=True), fused), segs
     out = L.linear(x.view(4, 5, 768), w)
     assert out.shape == (4, 5, 40)
     torch.testing.assert_close(out.view(20, 40).float(), x.float() @ w.float().T,
@@ -94,30 +112,46 @@ def _near_equal(k: int, s: int) -> tuple[tuple[int, int], ...]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("k,s", [(200, 6), (600, 3), (512, 2)])
-def test_linear_k_bounds_is_the_ordered_sum_of_segments_alone(dtype, k, s) -> None:
+@pytest.mark.parametrize("k,s", [(200, 6), (600, 3), (512, 2), (256, 8)])
+def test_linear_k_bounds_is_the_tree_sum_of_segments_alone(dtype, k, s) -> None:
     """Segmented K (o_proj / down_proj): each segment's fp32 partial equals the one-segment
-    product of its contiguous slice (a TP rank's), summed in order, cast once, then the bias."""
+    product of its contiguous slice (a TP rank's), tree-summed, cast once, then the bias."""
     torch.manual_seed(6)
     x, w = torch.randn(40, k).to(dtype), (torch.randn(24, k) / k ** 0.5).to(dtype)
     b = torch.randn(24).to(dtype)
     kb = _near_equal(k, s)
     alone = [L.partials(x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous(), ((0, hi - lo),))[0]
              for lo, hi in kb]
-    acc = alone[0].clone()
-    for p in alone[1:]:
-        acc += p
-    want = acc.to(dtype) + b
+    acc = tree_sum(torch.stack(alone))
     got = L.linear(x, w, b, k_bounds=kb)
-    assert torch.equal(got, want)
+    assert torch.equal(got, acc.to(dtype) + b)
     assert torch.equal(L.partials(x, w, kb), torch.stack(alone))
     for m in (1, 7, 17):
         assert torch.equal(L.linear(x[5:5 + m], w, b, k_bounds=kb), got[5:5 + m])
-    layout = L.SegmentLayout.from_bounds(kb, k)
-    fused, split = torch.empty_like(got), torch.empty_like(got)
-    L.run(x, w, None, fused, CFG, layout, split=False)
-    L.run(x, w, None, split, CFG, layout, split=True)
-    assert torch.equal(fused, split) and torch.equal(fused, acc.to(dtype))
+
+
+@pytest.mark.parametrize("segs", [1, 2, 4, 8, 16, 64])
+def test_sum_partials_kernel_is_tree_sum(segs) -> None:
+    """The sum kernel's pair levels (a [segs, BLOCK] tile reshaped and summed in pairs) add
+    exactly as ``tree_sum``; with the bias in fp32 before the one cast."""
+    from samebits.ops.triton import linear_kernels as K
+    g = torch.Generator().manual_seed(segs)
+    mn, n, block = 300, 30, 128
+    parts = torch.randn(segs, mn, generator=g) * torch.logspace(0, 2, mn)
+    b = torch.randn(n, generator=g).half()
+    out = torch.empty(mn, dtype=torch.half)
+    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, out, mn, n, segs, True, block,
+                                                        False)
+    assert torch.equal(out, (tree_sum(parts) + b.float().repeat(mn // n)).half())
+    plain = torch.empty(mn)
+    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, plain, mn, n, segs, False, block,
+                                                        False)
+    assert torch.equal(plain, tree_sum(parts))
+    if segs >= 4:  # negative control: the chain ((p0 + p1) + p2) ... is another sum
+        chain = parts[0].clone()
+        for p in parts[1:]:
+            chain += p
+        assert not torch.equal(plain, chain)
 
 
 @pytest.mark.smoke

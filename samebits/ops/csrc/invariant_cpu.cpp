@@ -5,8 +5,9 @@
 // linear: out[m, n] = fma chain over k = 0 .. K-1 in ascending order, starting from +0 (one
 //   accumulator per output element). Weights are packed [ceil(N/48), K, 48] so 48 outputs of a
 //   row advance together in vector registers; every lane is still its own sequential chain.
-//   With k_bounds [0, k1, ..., K]: one such chain per K segment, each from +0, and the segment
-//   partials added in segment order, ((p0 + p1) + p2) ...
+//   With k_bounds [0, k1, ..., K]: one such chain per K segment, each from +0, and the S segment
+//   partials added in the balanced tree order (samebits.ops.backend.tree_sum): tree(lo, hi) =
+//   tree(lo, h) + tree(h, hi), h = lo + (hi - lo + 1) / 2, a single segment its own partial.
 // attention: for each (query, head), keys [0, n_keys) in splits of `split` keys, ascending:
 //   score = dot(q * scale, k) in 8 lanes (lane l: fma chain over d = l, l+8, ...), lanes summed
 //   by the fixed tree ((0+4)+(2+6)) + ((1+5)+(3+7)); p = exp(score - max of the split), exp the
@@ -59,7 +60,7 @@ bool set_vectorized(bool on) {
 // blocks of K_BLOCK (that much of its packed weight block stays in L1 while all its rows use it),
 // keeping each output's accumulator in a buffer between K blocks: storing and reloading an fp32
 // accumulator leaves its fma chain unchanged. With k_bounds, each K segment runs its own chain
-// from +0 and the segment partials are added in segment order.
+// from +0 and the segment partials are added in the tree order (one buffer per tree level).
 constexpr int64_t K_BLOCK = 128;
 constexpr int64_t ROWS_PER_ITEM = 32;
 
@@ -120,21 +121,33 @@ void linear_segment(const T* x, int64_t ldx, int64_t rows, const T* wb, int64_t 
     linear_tile<T>(x, ldx, rows, wb, kb, std::min(k1, kb + K_BLOCK), acc);
 }
 
-// rows m0 .. m0 + rows - 1 of the output columns of weight block blk
+// levels of the tree over n segments (0 for one segment)
+int64_t tree_height(int64_t n) { return n <= 1 ? 0 : 1 + tree_height((n + 1) / 2); }
+
+// buf[0 .. rows * NB) = the tree sum of segments [lo, hi)'s chains; each deeper level of the
+// tree works in the next ROWS_PER_ITEM * NB block of buf (tree_height(S) + 1 blocks in all)
+template <typename T>
+void linear_tree(const T* xm, int64_t K, int64_t rows, const T* wb,
+                 const std::vector<int64_t>& bounds, size_t lo, size_t hi, T* buf) {
+  if (hi - lo == 1) {
+    linear_segment<T>(xm, K, rows, wb, bounds[lo], bounds[lo + 1], buf);
+    return;
+  }
+  const size_t h = lo + (hi - lo + 1) / 2;
+  T* right = buf + ROWS_PER_ITEM * NB;
+  linear_tree<T>(xm, K, rows, wb, bounds, lo, h, buf);
+  linear_tree<T>(xm, K, rows, wb, bounds, h, hi, right);
+  for (int64_t i = 0; i < rows * NB; ++i) buf[i] = buf[i] + right[i];
+}
+
+// rows m0 .. m0 + rows - 1 of the output columns of weight block blk; buf: the tree's scratch
 template <typename T>
 void linear_item(const T* x, int64_t K, int64_t m0, int64_t rows, const T* wp, int64_t N,
-                 int64_t blk, const std::vector<int64_t>& bounds, T* out) {
-  std::vector<T> total(rows * NB), part(bounds.size() > 2 ? rows * NB : 0);
-  const T* wb = wp + blk * K * NB;
-  const T* xm = x + m0 * K;
-  linear_segment<T>(xm, K, rows, wb, bounds[0], bounds[1], total.data());
-  for (size_t s = 1; s + 1 < bounds.size(); ++s) {
-    linear_segment<T>(xm, K, rows, wb, bounds[s], bounds[s + 1], part.data());
-    for (int64_t i = 0; i < rows * NB; ++i) total[i] = total[i] + part[i];
-  }
+                 int64_t blk, const std::vector<int64_t>& bounds, T* buf, T* out) {
+  linear_tree<T>(x + m0 * K, K, rows, wp + blk * K * NB, bounds, 0, bounds.size() - 1, buf);
   const int64_t n0 = blk * NB, width = std::min(NB, N - n0);
   for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(out + (m0 + r) * N + n0, total.data() + r * NB, width * sizeof(T));
+    std::memcpy(out + (m0 + r) * N + n0, buf + r * NB, width * sizeof(T));
 }
 
 // [0, K] or the caller's k_bounds, checked: starts at 0, ends at K, never decreases
@@ -162,11 +175,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
     const scalar_t* w = wp.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t flop = 2 * std::min(ROWS_PER_ITEM, M) * NB * K;
+    const int64_t levels = tree_height(int64_t(bounds.size()) - 1) + 1;
     at::parallel_for(0, blocks * row_blocks, grain(flop), [&](int64_t i0, int64_t i1) {
+      std::vector<scalar_t> buf(levels * ROWS_PER_ITEM * NB);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t m0 = (i % row_blocks) * ROWS_PER_ITEM;
         linear_item<scalar_t>(xp, K, m0, std::min(ROWS_PER_ITEM, M - m0), w, n, i / row_blocks,
-                              bounds, o);
+                              bounds, buf.data(), o);
       }
     });
   });

@@ -26,7 +26,7 @@ from samebits.ops.triton import activation, attention, launcher, linear, rms_nor
 # digest errs on the side of a new fingerprint.
 _ARITHMETIC_SOURCES = ("activation.py", "attention.py", "attention_kernels.py", "attention_gluon.py",
                        "linear.py", "linear_kernels.py", "rms_norm.py", "rope.py", "softmax.py",
-                       "moe.py")
+                       "moe.py", "../backend.py")  # ../backend.py: tree_sum, the segments' order
 
 
 def _arithmetic_digest() -> str:
@@ -48,8 +48,8 @@ class TritonBackend(InvariantEncoderOps):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:
-        """With ``k_bounds``: one launch that accumulates each K segment in its own fp32 partial
-        and adds them in order (linear.py); CUDA-graph safe (no host values of the batch)."""
+        """With ``k_bounds``: one fp32 partial per K segment, added in ``tree_sum``'s order
+        (linear.py); CUDA-graph safe (no host values of the batch)."""
         return linear.linear(x, w, b, k_bounds)
 
     def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds

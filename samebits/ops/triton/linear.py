@@ -10,18 +10,19 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
   ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
-- The segment partials are summed in order, ``((p0 + p1) + p2) + ...``, then the bias is added in
-  fp32 and the sum is cast once to the output dtype (with ``k_bounds``: cast first, then the bias
-  added in the output dtype, as every backend does for segmented K). ``partials`` returns the
-  fp32 partials unsummed (a tensor-parallel rank's share).
+- More than one segment: one program per (output tile, segment) writes the segment's fp32
+  partial to an [S, M, N] buffer (the split schedule), and the partials are added in
+  ``samebits.ops.backend.tree_sum``'s balanced tree order -- by ``_sum_partials_kernel`` (pairs,
+  then pairs of pairs) when S is a power of two up to ``TREE_KERNEL_MAX``, else by ``tree_sum``
+  in torch -- then the bias is added in fp32 and the sum is cast once to the output dtype (with
+  ``k_bounds``: cast first, then the bias added in the output dtype, as every backend does for
+  segmented K). ``partials`` returns the fp32 partials unsummed (a tensor-parallel rank's
+  share).
 
 Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
-change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). Two
-schedules give the same bits: *fused* (one program per output tile walks every segment, the
-partials kept in registers) and *split* (one program per tile and segment writes an fp32 partial,
-and ``_sum_partials_kernel`` adds them in order) -- split-K parallelism for small M. With one
+change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). With one
 segment, rows above 64 take ``_linear_tma_kernel`` (persistent, TMA loads), smaller ones the
-pointer kernel.
+pointer kernel; segments always take the pointer kernel's split schedule.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, check_k_bounds
+from samebits.ops.backend import KBounds, check_k_bounds, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
-SPLIT_MAX_M = 64  # at or below this many rows, segments run as separate programs (split-K)
+SPLIT_MAX_M = 64  # above this many rows, a segment's program takes SEGMENTED_TILE
+TREE_KERNEL_MAX = 64  # the most segments _sum_partials_kernel adds (a power of two)
 PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
 
 
@@ -94,8 +96,8 @@ class SegmentLayout:
         return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
 
 
-# the pointer kernel's tile for segmented products above SPLIT_MAX_M rows (the fused schedule)
-SEGMENTED_FUSED = GemmConfig(128, 128, 64, 8, 3)
+# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs)
+SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 
 
 def num_segments(k: int, n: int) -> int:
@@ -110,6 +112,13 @@ def num_segments(k: int, n: int) -> int:
 def segment_len(k: int, n: int) -> int:
     s = num_segments(k, n)
     return -(-k // (s * SEGMENT_ALIGN)) * SEGMENT_ALIGN
+
+
+def segmented_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile of the split schedule's programs (free to vary: it does not change the bits)."""
+    if m > SPLIT_MAX_M and dtype != torch.float32:
+        return SEGMENTED_TILE  # pick_config's large tiles are the TMA kernel's
+    return pick_config(m, n, k, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -151,9 +160,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             run(x2, w, b, out)
         return out if flat else out.reshape(*x.shape[:-1], n)
     segments = SegmentLayout.from_bounds(k_bounds, k)
-    cfg = pick_config(m, n, k, x.dtype)
-    if m > SPLIT_MAX_M and x.dtype != torch.float32:
-        cfg = SEGMENTED_FUSED  # two tile accumulators in registers: the TMA tiles would spill
+    cfg = segmented_config(m, n, k, x.dtype) if segments.count > 1 else None
     if m and n:
         run(x2, w, None, out, cfg, segments)
     if b is not None:
@@ -163,7 +170,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
     """[S, ..., N] fp32: each K segment's partial, the very values ``linear`` with ``k_bounds``
-    adds (the split schedule, whatever M)."""
+    adds."""
     *lead, k = x.shape
     n = w.shape[0]
     x2 = x.reshape(-1, k)
@@ -171,16 +178,15 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
     layout = SegmentLayout.from_bounds(k_bounds, k)
     out = x.new_empty(layout.count, m, n, dtype=torch.float32)
     if m and n:
-        run(x2, w, None, out, pick_config(m, n, k, x.dtype), layout, split=True)
+        run(x2, w, None, out, segmented_config(m, n, k, x.dtype), layout)
     return out.reshape(layout.count, *lead, n)
 
 
 def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None,
-        split: bool | None = None) -> None:
+        cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None) -> None:
     """Launch with an explicit tile config and segments (a count of uniform segments, or a
     layout; by default ``pick_config`` and ``num_segments``); benchmarks sweep these. ``out``
-    [S, M, N] fp32 with ``split=True`` and no bias: the partials are left unsummed there."""
+    [S, M, N] fp32 and no bias: the partials are left unsummed there."""
     m, k = x.shape
     n = w.shape[0]
     contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
@@ -196,7 +202,7 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     px, pw, pb, po = x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr()
     p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
               None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
-              segments, split, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
+              segments, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
     if p.tma:
         _run_tma(p, x, w, bias, out, (px, pw, po, pb), device)
         return
@@ -209,7 +215,10 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         direct(p.grid, (px, pw, pb, pt, *p.tail))
     else:
         _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
-    if p.partials:
+    if p.partials and p.sum_in_torch:  # a segment count the tree kernel does not take
+        total = tree_sum(target)
+        out.copy_(total if b is None else total + b.float())
+    elif p.partials:
         _SUM_PARTIALS(p.sum_key, p.sum_grid, target, bias, out, *p.sum_tail, **p.sum_options)
 
 
@@ -240,7 +249,8 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out
 class _Plan:
     """One product's launches, everything but the tensors: the launch key, grid, the arguments
     after the tensors and the launch options of the GEMM kernel (TMA or pointer), and for the
-    split schedule the partial count and the sum kernel's launch."""
+    split schedule the partial count and the sum kernel's launch (``sum_in_torch``: none, the
+    partials are tree-summed in torch)."""
 
     tma: bool
     key: int
@@ -253,13 +263,14 @@ class _Plan:
     sum_grid: tuple[int, int, int] = (1, 1, 1)
     sum_tail: tuple = ()
     sum_options: dict = dataclasses.field(default_factory=dict)
+    sum_in_torch: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
           out_dtype: torch.dtype, keep: bool, b_dtype: torch.dtype | None, stride_x: int,
           stride_w: int, stride_o: int, cfg: GemmConfig | None,
-          segments: int | SegmentLayout | None, split: bool | None, pdl: bool,
+          segments: int | SegmentLayout | None, pdl: bool,
           offsets: tuple[int, int, int, int], contiguous: bool) -> _Plan:
     """The launches of ``run`` for these shapes, strides, dtypes (``b_dtype`` None: no bias),
     pointer offsets (the data pointers of x, w, bias and out mod 16) and contiguity; ``keep``:
@@ -273,7 +284,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
                                                       contiguous):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
-    split = keep or (segs > 1 and (m <= SPLIT_MAX_M if split is None else split))
+    split = keep or segs > 1
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     even = layout.even(k, cfg.block_k)
     rows_aligned = bool(align & 2) and (stride_w * w_dtype.itemsize) % 16 == 0
@@ -283,15 +294,17 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     t_align = align | 8 if fresh else align
     key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, b_dtype, n, k, stride_x, stride_w,
                           t_stride, layout, split, cfg, even, pdl, prefetch, t_align, wide))
-    tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, segs, split,
-            segs > 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+    tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, split,
+            has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
             even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
             cfg.num_warps * 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options)
     if not fresh:
         return plan
-    block = 1024
+    if segs > TREE_KERNEL_MAX or segs & (segs - 1):
+        return dataclasses.replace(plan, partials=segs, sum_in_torch=True)
+    block = max(128, min(1024, 8192 // segs))  # the [segs, block] tile stays in registers
     return dataclasses.replace(
         plan, partials=segs,
         sum_key=_SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align >> 2, wide,

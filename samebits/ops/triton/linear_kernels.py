@@ -72,20 +72,19 @@ def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])  # one compile serves every row count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   stride_ps, SEG_BASE, SEG_EXTRA, NUM_SEGS, SPLIT: tl.constexpr,
-                   MULTI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, THREADS: tl.constexpr):
-    """out = x @ w.T (+ b) with the segment order of the module docstring.
+                   stride_ps, SEG_BASE, SEG_EXTRA, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr):
+    """out = x @ w.T (+ b) over all of K (one segment), or with SPLIT=True the fp32 partial of K
+    segment ``program_id(1)`` (SEG_BASE, SEG_EXTRA: linear.py's ``SegmentLayout``) written to
+    ``out_ptr + seg * stride_ps``, left for ``_sum_partials_kernel`` (no bias then).
 
-    Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segments (SEG_BASE,
-    SEG_EXTRA, NUM_SEGS) -- not on M, the row's position, the tile shape or the program count.
-    Each segment's partial is the one-segment product of its columns alone. SPLIT=True writes the fp32
-    partial of segment ``program_id(1)`` to ``out_ptr + seg * stride_ps`` instead; MULTI is
-    ``NUM_SEGS > 1`` (compile-time, so one segment keeps one accumulator). PREFETCH > 0 (bytes,
-    with PDL): before waiting for x, the program asks L2 for the start of its weight rows --
-    weights are no kernel's output, so this overlaps the previous kernel's tail.
+    Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segment -- not on M,
+    the row's position, the tile shape or the program count. A segment's partial is the
+    one-segment product of its columns alone. PREFETCH > 0 (bytes, with PDL): before waiting for
+    x, the program asks L2 for the start of its weight rows -- weights are no kernel's output, so
+    this overlaps the previous kernel's tail.
     """
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -108,15 +107,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         out_ptr += seg * stride_ps
-    else:  # every segment, from a compile-time 0: the first one's loads start aligned
-        k_lo, k_hi = _segment_range(0, SEG_BASE, SEG_EXTRA, K, EVEN_K)
-        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
+    else:  # the one segment, from a compile-time 0: the loads start aligned
+        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, 0, K, stride_xm, stride_wn,
                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
-        if MULTI:  # NUM_SEGS > 1
-            for s in range(1, NUM_SEGS):
-                k_lo, k_hi = _segment_range(s, SEG_BASE, SEG_EXTRA, K, EVEN_K)
-                total += _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm,
-                                      stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if HAS_BIAS:
             total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -124,16 +117,39 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _pair_level(x, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+    """[2 PAIRS, BLOCK] -> [PAIRS, BLOCK]: row i is x[2i] + x[2i + 1] (one add of two values,
+    whose result does not depend on which operand comes first)."""
+    return tl.sum(tl.reshape(x, [PAIRS, 2, BLOCK]), axis=1)
+
+
 @triton.jit(do_not_specialize=["MN"])
-def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out = ((p0 + p1) + p2) ... (+ b): the fused kernel's sum, element by element."""
+def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out = tree_sum(p[0 .. NUM_SEGS)) (+ b), element by element (``samebits.ops.backend``'s
+    tree; NUM_SEGS a power of two up to 64): level by level, pairs (0, 1), (2, 3) ..., then pairs
+    of pairs; the bias added in fp32, then one cast."""
     wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    total = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for seg in range(1, NUM_SEGS):
-        total += tl.load(part_ptr + seg * MN + offs, mask=mask, other=0.0)
+    segs = tl.arange(0, NUM_SEGS)
+    x = tl.load(part_ptr + segs.to(tl.int64)[:, None] * MN + offs[None, :], mask=mask[None, :],
+                other=0.0)
+    # level l adds pairs of level l - 1's rows: NUM_SEGS >> l rows remain
+    if NUM_SEGS >= 2:
+        x = _pair_level(x, NUM_SEGS // 2, BLOCK)
+    if NUM_SEGS >= 4:
+        x = _pair_level(x, NUM_SEGS // 4, BLOCK)
+    if NUM_SEGS >= 8:
+        x = _pair_level(x, NUM_SEGS // 8, BLOCK)
+    if NUM_SEGS >= 16:
+        x = _pair_level(x, NUM_SEGS // 16, BLOCK)
+    if NUM_SEGS >= 32:
+        x = _pair_level(x, NUM_SEGS // 32, BLOCK)
+    if NUM_SEGS >= 64:
+        x = _pair_level(x, NUM_SEGS // 64, BLOCK)
+    total = tl.reshape(x, [BLOCK])
     if HAS_BIAS:
         total += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
