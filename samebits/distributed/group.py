@@ -4,9 +4,9 @@ A ``TPGroup`` names this process's rank and the world size from construction (a 
 are sized from them before any process group exists); ``connect`` joins the process group.
 With one rank there is no process group and every collective is the identity.
 
-The invariant arithmetic uses only gathers: ``all_gather`` of per-segment partials (added in
-segment order by the caller, the same fp32 sequence as on one device) and ``gather_cat`` of row
-blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an all-reduce, whose
+The invariant arithmetic uses only gathers: ``all_gather`` of fp32 row-parallel sums or
+partials (tree-summed by the caller, the same fp32 additions as on one device) and ``gather_cat``
+of row blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an all-reduce, whose
 order is the library's) serves only the standard mode. Control messages (``broadcast_object``,
 ``min_int``) run over a gloo group on every device, so they never wait behind device work.
 

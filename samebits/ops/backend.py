@@ -89,7 +89,7 @@ class OpBackend(Protocol):
     def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
                         ) -> torch.Tensor:
         """The partial product of each K segment, [S, ..., N] in the accumulation dtype: what
-        ``linear(x, w, k_bounds=k_bounds)`` adds in order."""
+        ``linear(x, w, k_bounds=k_bounds)`` adds in ``tree_sum``'s order."""
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None

@@ -85,10 +85,9 @@ def test_every_tile_config_and_schedule_same_bits(k: int, n: int) -> None:
     segs = L.num_segments(k, n)
     ref = L.linear(x, w, b)
     for cfg in ZOO:
-        for split in ((False, True) if not cfg.tma else (False,)):
-            out = torch.empty_like(ref)
-            L.run(x, w, b, out, cfg, segs, split=split)
-            assert torch.equal(out, ref), (cfg, split)
+        out = torch.empty_like(ref)
+        L.run(x, w, b, out, cfg, segs)
+        assert torch.equal(out, ref), cfg
 
 
 def test_segmented_equals_split_k_and_is_close() -> None:
@@ -96,9 +95,9 @@ def test_segmented_equals_split_k_and_is_close() -> None:
     exact = x.double() @ w.double().T
     for segs in (1, 2, 3, 4):
         outs = []
-        for cfg, split in ((ZOO[0], True), (ZOO[5], False), (ZOO[3], False)):
+        for cfg in (ZOO[0], ZOO[5], ZOO[3]):
             out = torch.empty(96, 1024, device="cuda", dtype=torch.bfloat16)
-            L.run(x, w, None, out, cfg, segs, split=split)
+            L.run(x, w, None, out, cfg, segs)
             outs.append(out)
         assert all(torch.equal(o, outs[0]) for o in outs), segs
         rel = (outs[0].double() - exact).norm() / exact.norm()

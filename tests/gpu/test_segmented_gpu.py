@@ -1,12 +1,13 @@
-"""Segmented K on CUDA: the default engine computes o_proj and down_proj with the tensor-parallel
-arithmetic, in one Triton launch per linear (fused or split-K schedule, eager or CUDA graphs).
+"""Segmented K on CUDA: o_proj and down_proj with the tensor-parallel arithmetic (one fp32 partial
+per K segment, added in ``tree_sum``'s balanced tree order), eager or in CUDA graphs.
 
-What the tests prove, bit for bit: ``linear(x, w, k_bounds=...)`` is the ordered fp32 sum of each
-segment's product computed alone on its contiguous slice, for near-equal bounds (even and
-uneven, 16-aligned or not), every dtype and both schedules; and ``LLM()`` (CUDA graphs) returns
-the tokens and logprobs of the same model with its row-parallel layers on their tensor-parallel
-path (one product per segment, partials gathered and added by torch in order) -- the arithmetic
-every TP size shares. Negative control: one K chain gives other bits. Skipped without CUDA.
+What the tests prove, bit for bit: ``linear(x, w, k_bounds=...)`` is the tree-ordered fp32 sum of
+each segment's product computed alone on its contiguous slice, for near-equal bounds (even and
+uneven, 16-aligned or not), every dtype, power-of-two segment counts (the tree sum kernel) and
+others (torch's ``tree_sum``), at every row count; and ``LLM()`` (CUDA graphs) returns the tokens
+and logprobs of the same model with its row-parallel layers on their tensor-parallel path (the
+rank's partials tree-summed by torch) -- the arithmetic every TP size shares. Negative controls:
+one K chain, and the chain of the segment partials, give other bits. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from samebits import LLM, SamplingParams  # noqa: E402
-from samebits.ops.backend import row_parallel_bounds  # noqa: E402
+from samebits.ops.backend import row_parallel_bounds, tree_sum  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 
 QWEN3_TINY = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-tiny.json")
@@ -46,16 +47,14 @@ def _segments_alone(x: torch.Tensor, w: torch.Tensor, kb) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("k,s", [(4096, 8), (12288, 8), (1000, 3), (200, 6)])
-def test_segmented_linear_is_the_ordered_sum_of_segments_alone(dtype, k, s):
+@pytest.mark.parametrize("k,s", [(4096, 8), (12288, 8), (1000, 3), (200, 6), (1024, 4)])
+def test_segmented_linear_is_the_tree_sum_of_segments_alone(dtype, k, s):
     x, w = _data(300, k, 1024, dtype)
     b = torch.randn(1024, device="cuda").to(dtype)
     kb = row_parallel_bounds(k, s)
     alone = _segments_alone(x, w, kb)
-    acc = alone[0].clone()
-    for p in alone[1:]:
-        acc += p
-    for m in (1, 7, 16, 64, 65, 300):  # split-K schedule up to 64 rows, fused above
+    acc = tree_sum(torch.stack(alone))
+    for m in (1, 7, 16, 64, 65, 300):  # pick_config's tiles up to 64 rows, SEGMENTED_TILE above
         got = L.linear(x[:m], w, b, k_bounds=kb)
         assert torch.equal(got, acc[:m].to(dtype) + b), m
     assert torch.equal(L.partials(x, w, kb), torch.stack(alone))
@@ -70,9 +69,20 @@ def test_negative_control_one_k_chain_differs_from_segments():
     assert not torch.equal(L.linear(x, w), L.linear(x, w, k_bounds=row_parallel_bounds(4096, 8)))
 
 
+def test_negative_control_chain_of_partials_differs_from_the_tree():
+    x, w = _data(64, 4096, 1024, torch.float32, seed=2)
+    kb = row_parallel_bounds(4096, 8)
+    parts = L.partials(x, w, kb)
+    chain = parts[0].clone()
+    for p in parts[1:]:
+        chain += p
+    assert torch.equal(L.linear(x, w, k_bounds=kb), tree_sum(parts))
+    assert not torch.equal(L.linear(x, w, k_bounds=kb), chain)
+
+
 def _one_rank_reference(config: str, prompts, params):
     """The same model with every row-parallel layer on its tensor-parallel path (one product per
-    segment, partials gathered and added by torch in order), eager."""
+    segment, the partials tree-summed by torch), eager."""
     from samebits.models.parallel import RowParallelLinear
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
               kv_cache_memory_bytes=1 << 28, enforce_eager=True)

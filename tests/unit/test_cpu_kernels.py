@@ -3,12 +3,15 @@ weights that follow in-place updates, and CPU constants in the CPU fingerprint o
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from samebits.config import EngineConfig
 from samebits.loader import fingerprint
 from samebits.ops import cpu_kernels, get_backend, reference
+from samebits.ops.backend import tree_sum
 
 INV = get_backend("cpu", True)
 
@@ -144,12 +147,15 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, k_bounds=None) -> torch.Ten
                               k_bounds)
 
 
-def test_segmented_k_linear_equals_the_ordered_sum_of_per_segment_products() -> None:
+@pytest.mark.parametrize("bounds", [[0, 200, 390, 577], [0, 60, 200, 260, 390, 400, 577],
+                                    [0, 70, 140, 200, 290, 350, 430, 500, 577]])
+def test_segmented_k_linear_equals_the_tree_sum_of_per_segment_products(bounds) -> None:
+    """3, 6 and 8 segments, longer and shorter than the kernel's K block: the kernel adds the
+    per-segment chains in ``tree_sum``'s order (for 6 and 8 another sum than the chain)."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(100, 577, generator=g)
-    bounds = [0, 200, 390, 577]  # segments longer and shorter than the kernel's K block
     segs = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    xs = [torch.randn(m, 577, generator=g) for m in (1, 2, 3, 17, 128)]
+    xs = [torch.randn(m, 577, generator=g) * torch.logspace(0, 3, 577) for m in (1, 2, 3, 17, 128)]
     results = {}
     for vectorized in (True, False):
         before = cpu_kernels.set_vectorized(vectorized)
@@ -158,7 +164,9 @@ def test_segmented_k_linear_equals_the_ordered_sum_of_per_segment_products() -> 
                 m = x.shape[0]
                 parts = [_packed_linear(x[:, s], w[:, s]) for s in segs]
                 got = results[vectorized, m] = _packed_linear(x, w, bounds)
-                assert torch.equal(got, (parts[0] + parts[1]) + parts[2]), (vectorized, m)
+                assert torch.equal(got, tree_sum(parts)), (vectorized, m)
+                if len(parts) > 3:  # negative control: the chain is another sum
+                    assert not torch.equal(got, functools.reduce(torch.add, parts)), m
                 assert torch.equal(_packed_linear(x, w, torch.tensor(bounds)), got)
                 assert torch.equal(_packed_linear(x, w, [0, 577]), _packed_linear(x, w))
                 # negative control: the segmented sum is another arithmetic than one chain

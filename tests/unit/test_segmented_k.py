@@ -2,11 +2,16 @@
 ``silu_mul``) and the decoder's row-parallel layers on one device against their tensor-parallel
 path.
 
-What they prove: the segmented product is the ordered fp32 sum of each segment's product computed
-alone on its contiguous slice (what a TP rank computes), row by row whatever M; a rank's shard
-spans are whole segments (o_proj: its KV groups' columns); the decoder's hidden states and logits
-with every row-parallel layer on its gathered-partials path (what N ranks compute) equal the
-one-call path bitwise; and, as negative controls, one K chain gives other bits than the segments.
+What they prove: ``tree_sum`` gives the same bits level by level and by halves, and is another sum
+than the chain beyond three partials (so the tests below could fail); a rank's block of S/N
+segments is a subtree exactly where ``rank_blocks_are_subtrees`` says, and then the tree of the
+block sums is the tree of all S; the segmented product is the tree-ordered fp32 sum of each
+segment's product computed alone on its contiguous slice (what a TP rank computes), row by row
+whatever M; a rank's shard spans are whole segments (o_proj: its KV groups' columns); the
+row-parallel layer's tensor-parallel path gathers one fp32 sum per rank where its blocks are
+subtrees (all its partials where not) and gives one device's bits either way; the decoder's
+hidden states and logits with every row-parallel layer on its gathered path equal the one-call
+path bitwise; and, as negative controls, one K chain gives other bits than the segments.
 """
 
 from __future__ import annotations
@@ -17,9 +22,19 @@ import json
 import pytest
 import torch
 
+from samebits.distributed.group import TPGroup
 from samebits.models.parallel import RowParallelLinear, ShardSpec
 from samebits.ops import cpu_kernels, get_backend
-from samebits.ops.backend import AttentionMetadata, bounds, check_k_bounds, ordered_sum, row_parallel_bounds
+from samebits.ops.backend import (
+    AttentionMetadata,
+    _tree_by_halves,
+    _tree_by_levels,
+    bounds,
+    check_k_bounds,
+    rank_blocks_are_subtrees,
+    row_parallel_bounds,
+    tree_sum,
+)
 
 OPS = get_backend("cpu", batch_invariant=True)
 # the TP test model's shape: 12 heads / 6 KV heads of 16, an intermediate size of 200 (uneven)
@@ -27,6 +42,56 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size
           "intermediate_size": 200, "num_hidden_layers": 2, "num_attention_heads": 12,
           "num_key_value_heads": 6, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
           "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 499}
+
+
+def _partials(n: int, seed: int = 0) -> torch.Tensor:
+    """[n, 16, 96] fp32 partials over a wide range (their sums round)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, 96, generator=g) * torch.logspace(0, 4, 96)
+
+
+def _chain(partials) -> torch.Tensor:
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    return acc
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 64])
+def test_tree_sum_by_levels_equals_by_halves(n):
+    p = _partials(n, seed=n)
+    levels = _tree_by_levels(p)
+    assert torch.equal(levels, _tree_by_halves(list(p), 0, n))
+    assert torch.equal(tree_sum(p), levels) and torch.equal(tree_sum(list(p)), levels)
+
+
+def test_tree_sum_is_the_chain_up_to_three_partials_and_differs_beyond():
+    for n in (1, 2, 3):
+        p = _partials(n)
+        assert torch.equal(tree_sum(p), _chain(p))
+    for n in (4, 5, 6, 8):  # negative control: another order, other bits
+        p = _partials(n)
+        assert not torch.equal(tree_sum(p), _chain(p)), n
+    p = _partials(5)  # the left half is the larger: ((p0 + p1) + p2) + (p3 + p4)
+    assert torch.equal(tree_sum(p), ((p[0] + p[1]) + p[2]) + (p[3] + p[4]))
+
+
+@pytest.mark.parametrize("s", range(1, 17))
+def test_rank_blocks_are_subtrees_exactly_where_block_sums_give_the_tree(s):
+    """Where the helper says so, the tree of the N block sums (each block tree-summed alone) is
+    the tree of all S partials, bitwise; where it does not, the two orders differ (6 / 3, 12 / 3:
+    the fallback gathers every partial)."""
+    p = _partials(s, seed=s)
+    for n in (d for d in range(1, s + 1) if s % d == 0):
+        blocks = tree_sum(torch.stack([tree_sum(b) for b in p.split(s // n)]))
+        if rank_blocks_are_subtrees(s, n):
+            assert torch.equal(blocks, tree_sum(p)), (s, n)
+        elif (s, n) in ((6, 3), (12, 3)):
+            assert not torch.equal(blocks, tree_sum(p)), (s, n)
+    assert all(rank_blocks_are_subtrees(8, n) for n in (1, 2, 4, 8))
+    assert rank_blocks_are_subtrees(6, 2) and rank_blocks_are_subtrees(12, 4)
+    assert not (rank_blocks_are_subtrees(6, 3) or rank_blocks_are_subtrees(12, 3)
+                or rank_blocks_are_subtrees(6, 4))
 
 
 def _data(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
@@ -67,13 +132,13 @@ def test_check_k_bounds_rejects_what_does_not_tile_k(bad):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("k,s", [(200, 6), (192, 3)])
-def test_segmented_linear_is_the_ordered_sum_of_segments_alone(dtype, k, s):
+@pytest.mark.parametrize("k,s", [(200, 6), (192, 3), (200, 8)])
+def test_segmented_linear_is_the_tree_sum_of_segments_alone(dtype, k, s):
     x, w = _data(37, k, 40, dtype)
     b = torch.randn(40).to(dtype)
     kb = row_parallel_bounds(k, s)
     partials = [_alone(x, w, lo, hi) for lo, hi in kb]
-    want = ordered_sum(partials).to(dtype) + b
+    want = tree_sum(partials).to(dtype) + b
     got = OPS.linear(x, w, b, k_bounds=kb)
     assert torch.equal(got, want)
     assert torch.equal(OPS.linear_partials(x, w, kb), torch.stack(partials))
@@ -109,6 +174,43 @@ def test_silu_mul_gives_each_segment_a_ranks_bits():
         local = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=-1)
         rank_gate, rank_up = local.chunk(2, dim=-1)
         assert torch.equal(got[:, lo:hi], OPS.silu_mul(rank_gate, rank_up))
+
+
+class _Exchange(TPGroup):
+    """Rank ``rank`` of N ranks run one after another in this process: ``all_gather`` records
+    what the rank sends; once every rank has sent, it returns their tensors in rank order."""
+
+    def __init__(self, rank: int, world_size: int, sent: dict[int, torch.Tensor]) -> None:
+        super().__init__(rank, world_size)
+        self.sent = sent
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.sent[self.rank] = x.clone()
+        if len(self.sent) < self.world_size:
+            return torch.cat([x] * self.world_size)  # a first pass: its result is not used
+        return torch.cat([self.sent[r] for r in range(self.world_size)])
+
+
+@pytest.mark.parametrize("s,n,sent", [(8, 2, 1), (8, 4, 1), (8, 8, 1), (6, 2, 1), (6, 3, 2),
+                                      (6, 6, 1), (3, 3, 1)])
+def test_row_parallel_ranks_gather_one_sum_each_where_blocks_are_subtrees(s, n, sent):
+    """Each rank's ``gathered`` sends [sent, T, H] fp32 (one tree-summed local where its S/N
+    segments are a subtree, else its S/N partials) and returns one device's segmented linear
+    (bias included), bitwise, on every rank."""
+    k, h, t = 40 * s + 3, 48, 9  # uneven segments
+    x, w = _data(t, k, h, torch.bfloat16, seed=s + n)
+    b = torch.randn(h).to(torch.bfloat16)
+    want = OPS.linear(x, w, b, k_bounds=row_parallel_bounds(k, s))
+    exchanged: dict[int, torch.Tensor] = {}
+    layers = [RowParallelLinear(k, h, s, _Exchange(r, n, exchanged), bias=True) for r in range(n)]
+    for layer in layers:
+        lo, hi = layer.weight.spec.span(0)
+        layer.weight.data, layer.bias.data = w[:, lo:hi].clone(), b.clone()
+        layer.x = x[:, lo:hi]
+    for _ in range(2):  # the second pass gathers what every rank sent in the first
+        outs = [layer.gathered(OPS, layer.x) for layer in layers]
+    assert all(e.shape == (sent, t, h) and e.dtype == torch.float32 for e in exchanged.values())
+    assert all(torch.equal(out, want) for out in outs)
 
 
 def _meta(n: int) -> AttentionMetadata:
