@@ -245,7 +245,7 @@ def tp1(options: dict, segmented: bool) -> tuple[list, list[int]]:
     from samebits import LLM
     from samebits.models.parallel import RowParallelLinear
     llm = LLM(str(CONFIG), **((options | {"enforce_eager": True}) if segmented else options))
-    if segmented:  # TP 2's arithmetic on one device: every K segment's partial, added in order
+    if segmented:  # TP 2's arithmetic on one device: every K segment's partial, tree-summed
         for m in llm.engine.runner.model.modules():
             if isinstance(m, RowParallelLinear):
                 m.forward = functools.partial(RowParallelLinear.gathered, m)

@@ -224,7 +224,7 @@ def _meta(n: int) -> AttentionMetadata:
 def test_decoder_one_call_equals_gathered_partials_path_bitwise(tmp_path):
     """The decoder on one device (o_proj / down_proj: one segmented ``linear`` call each) against
     the same model with every row-parallel layer on its tensor-parallel path (per-segment
-    partials on the rank's columns, gathered, added in order, cast, bias)."""
+    partials on the rank's columns, tree-summed and gathered, cast, bias)."""
     from samebits import LLM
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
