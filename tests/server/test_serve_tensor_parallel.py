@@ -89,20 +89,21 @@ def tp1(config_path, weights_root) -> Iterator[Server]:
     yield from _updatable(config_path, weights_root)
 
 
-def requests(count: int = 8) -> list[Request]:
-    """Completions of token-id prompts (3-40 tokens): greedy and seeded sampled in turn, top
-    logprobs and token ids; one asks for two choices."""
+def requests(count: int = 8, vocab_size: int = CONFIG["vocab_size"], longest: int = 40,
+             most_tokens: int = 10) -> list[Request]:
+    """Completions of token-id prompts (3 to ``longest`` tokens): greedy and seeded sampled in
+    turn, top logprobs and token ids; the sixth of every eight asks for two choices."""
     rng = random.Random(29)
     out: list[Request] = []
     for i in range(count):
         kw: dict[str, Any] = dict(
-            model=MODEL, prompt=[rng.randrange(CONFIG["vocab_size"] - 1)
-                                 for _ in range(rng.randint(3, 40))],
-            max_tokens=rng.randint(4, 10), logprobs=2, seed=rng.randrange(1 << 31),
+            model=MODEL, prompt=[rng.randrange(2, vocab_size - 1)
+                                 for _ in range(rng.randint(3, longest))],
+            max_tokens=rng.randint(4, most_tokens), logprobs=2, seed=rng.randrange(1 << 31),
             temperature=0.0 if i % 2 == 0 else rng.choice([0.8, 1.0]),
             top_p=1.0 if i % 4 != 3 else 0.9,
             extra_body={"ignore_eos": True, "return_token_ids": True})
-        if i == 5:
+        if i % 8 == 5:
             kw["n"] = 2
         out.append(("completions", kw))
     return out
