@@ -24,6 +24,7 @@ from samebits.engine.engine import LLMEngine
 from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
 from samebits.server.engine_core import (
+    IDLE_CHECK_S,
     NOT_RUNNING,
     Abort,
     AddGroup,
@@ -96,7 +97,7 @@ class _QueueInbox:
 
     def get(self, block: bool) -> Any:
         try:
-            return self.commands.get(block=block)
+            return self.commands.get(block=block, timeout=IDLE_CHECK_S if block else None)
         except queue.Empty:
             return None
 

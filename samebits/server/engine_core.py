@@ -7,6 +7,10 @@ step, then the turn's statistics for the metrics. The same loop runs in a thread
 process or in a process of its own (samebits.server.engine_process); nothing it sends depends on
 which, and nothing here can change a bit of what the engine computes.
 
+Once a step fails, or a tensor-parallel rank's process dies (an idle core looks at its engine
+every ``IDLE_CHECK_S``), the core fails the requests it holds with the reason (naming the rank),
+reports it in every turn's statistics (/health turns 503) and takes no new work.
+
 A streamed request's new tokens go out every step it progresses, as a plain tuple (``TokenRow``:
 cheap to pickle, and rebuilt into a ``Delta`` on the event loop); every request's last ``Delta``
 carries its result. Finished requests are offered to the determinism canary, which replays them
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from samebits.engine.engine import EngineStats, LLMEngine
+from samebits.engine.executor import RankFailedError
 from samebits.engine.fanout import seed_requests
 from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import Sequence, SequenceStatus
@@ -33,6 +38,7 @@ from samebits.server.canary import Canary
 
 log = logging.getLogger("samebits.server")
 NOT_RUNNING = "the engine loop is not running"
+IDLE_CHECK_S = 1.0  # the most an idle core waits for a command before it checks its engine
 
 
 # ---- commands (server -> core) ----------------------------------------------------------------
@@ -146,7 +152,8 @@ class CoreOutputs:
 
 class Inbox(Protocol):
     def get(self, block: bool) -> Any:
-        """The next command, or None when none waits (``block``: wait for one)."""
+        """The next command, or None when none waits (``block``: wait for one, at most
+        ``IDLE_CHECK_S``)."""
 
     def pending(self) -> bool:
         """Whether a command waits."""
@@ -235,6 +242,8 @@ class EngineCore:
     def _apply_commands(self, inbox: Inbox, block: bool) -> bool:
         """Apply the waiting commands (waiting for one if ``block``); False on ``Stop``."""
         cmd = inbox.get(block)
+        while block and cmd is None and not self._engine_failed():
+            cmd = inbox.get(block)  # idle: between waits, the engine is checked
         while cmd is not None:
             if isinstance(cmd, Stop):
                 return False
@@ -316,6 +325,9 @@ class EngineCore:
         start, before = time.monotonic(), self.engine.stats()
         try:
             progressed = self.engine.step()
+        except RankFailedError as e:
+            log.error("%s; failing the requests in flight and taking no new work", e)
+            return self._fail_all(f"{e}; restart the server")
         except Exception as e:
             log.exception("engine step failed; failing the requests in flight and taking no "
                           "new work")
@@ -334,6 +346,28 @@ class EngineCore:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
                 self._deliver_alone(seq, tracked, now)
+
+    def _engine_failed(self) -> bool:
+        """Whether the engine has just turned out unable to run (a tensor-parallel rank's
+        process died while the core was idle): then it fails, naming the rank, and takes no new
+        work."""
+        check = getattr(self.engine.runner, "check_health", None)  # pooling runners: no ranks
+        if self._error is not None or check is None:
+            return False
+        try:
+            check()
+        except RankFailedError as e:
+            log.error("%s; taking no new work", e)
+            self._fail_all(f"{e}; restart the server")
+            return True
+        return False
+
+    def _fail_all(self, reason: str) -> None:
+        """The engine cannot run again: every request in flight fails with ``reason``, which
+        /health reports from now on."""
+        self._error = reason
+        for request_id in list(self._tracked):
+            self._fail(request_id, reason)
 
     def _count_step(self, before: EngineStats) -> None:
         after, stats = self.engine.stats(), self._out.stats

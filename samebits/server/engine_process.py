@@ -36,7 +36,7 @@ from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
 from samebits.llm_options import loaded_with_tokenizer
-from samebits.server.engine_core import CoreOutputs, EngineCore, Stop
+from samebits.server.engine_core import IDLE_CHECK_S, CoreOutputs, EngineCore, Stop
 from samebits.text.tokenizer import Tokenizer
 
 log = logging.getLogger("samebits.server")
@@ -157,7 +157,7 @@ class _PipeInbox:
         if self.closed:
             return Stop()
         try:
-            if not block and not self.conn.poll(0):
+            if not self.conn.poll(IDLE_CHECK_S if block else 0):
                 return None
             return pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
