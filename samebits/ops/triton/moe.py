@@ -44,7 +44,15 @@ from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
 COMBINE_BLOCK = 1024
+DECODE_PROGRAMS = 128  # programs the down+combine kernel aims for (an H100 has 132 SMs)
+DOWN_COMBINE_STAGES = 6  # its pipeline depth: the k experts' weight tiles are one stream
 _NO_FTZ = {"enable_reflect_ftz": False}
+# Warps of every kernel that routes (``_route_row``): a reduction's order follows the layout,
+# which follows the warps, so the route kernel and the routed GEMM take the same number.
+ROUTE_WARPS = 4
+# libdevice's mul_rn / add_rn, never contracted; the interpreter has no libdevice (and numpy
+# never contracts)
+EXPLICIT_RN = ACCURATE_EXP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +86,13 @@ def num_slots(assignments: int, experts: int, block_m: int) -> int:
 
 # ---- 1. route -------------------------------------------------------------------------------
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                  K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                  ROUND: tl.constexpr, PDL: tl.constexpr):
-    """Token ``program_id(0)``'s top-k experts and weights; depends on its logits alone. Each
-    pick is one max over int64 keys (the probability's bits above ``0xFFFF - id``: unique, so
-    the larger probability wins and equal ones go to the lower id, as ``topk_lowest_id``)."""
-    wait_for_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _route_row(logits_ptr, row, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+               BLOCK_E: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
+    """Token ``row``'s top-k (weights fp32 [K_POW2], ids int32 [K_POW2]; lanes >= TOP_K zero);
+    depends on its logits alone. Each pick is one max over int64 keys (the probability's bits
+    above ``0xFFFF - id``: unique, so the larger probability wins and equal ones go to the
+    lower id, as ``topk_lowest_id``). The route kernel and the routed gate/up GEMM both call it,
+    launched with ``ROUTE_WARPS`` warps and the same compile options: the same bits."""
     offs = tl.arange(0, BLOCK_E)
     raw = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf"))
     x = raw.to(tl.float32)
@@ -108,6 +115,18 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
         vals = tl.div_rn(vals, tl.zeros([K_POW2], tl.float32) + total)
     if ROUND:
         vals = vals.to(raw.dtype).to(tl.float32)
+    return vals, idxs
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
+                  K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, PDL: tl.constexpr):
+    """Token ``program_id(0)``'s top-k experts and weights (``_route_row``)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    vals, idxs = _route_row(logits_ptr, row, E, stride_l, TOP_K, K_POW2, BLOCK_E, RENORM, ROUND)
+    js = tl.arange(0, K_POW2)
     tl.store(ids_ptr + row * TOP_K + js, idxs, mask=js < TOP_K)
     tl.store(w_ptr + row * TOP_K + js, vals, mask=js < TOP_K)
 
@@ -120,12 +139,17 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
-        block, pdl = max(16, triton.next_power_of_2(e)), programmatic(logits)
-        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
-                            K_POW2=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block,
+        pdl = programmatic(logits)
+        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), **_route_meta(e, top_k),
                             RENORM=renormalize, ROUND=round_weights, PDL=pdl,
-                            num_warps=1 if block <= 512 else 4, launch_pdl=pdl)
+                            num_warps=ROUTE_WARPS, enable_fp_fusion=FP_FUSION, launch_pdl=pdl,
+                            **_NO_FTZ)
     return weights, ids
+
+
+def _route_meta(experts: int, top_k: int) -> dict[str, int]:
+    return {"TOP_K": top_k, "K_POW2": max(2, triton.next_power_of_2(top_k)),
+            "BLOCK_E": max(16, triton.next_power_of_2(experts))}
 
 
 # ---- 2. align -------------------------------------------------------------------------------
@@ -203,13 +227,17 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 # ---- 3, 4. grouped GEMM -----------------------------------------------------------------------
 @triton.jit
 def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride_xm, stride_we,
-                     stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     stride_wn, stride_om, logits_ptr, weights_ptr, E, stride_l,
+                     TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PRECISION: tl.constexpr, ACCURATE: tl.constexpr, ROUTE: tl.constexpr,
+                     K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                     ROUND: tl.constexpr, PDL: tl.constexpr):
     """GATED: out[a, n] = silu(x[a // k] . w[e, n]) * (x[a // k] . w[e, N + n]) (N = I);
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
-    expert alone (one ascending-K dot from zero)."""
+    expert alone (one ascending-K dot from zero). ROUTE (the direct layout, GATED): ``e`` is
+    not read from ``ids`` but routed here from the token's logits by ``_route_row``, and the
+    programs of rank 0 and N-tile 0 write the token's ids and weights."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -217,7 +245,17 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
     first = tl.load(sorted_ptr + block * BLOCK_M)
     if first >= A:  # a padding block: this batch routed fewer
         return
-    expert = tl.load(ids_ptr + first).to(tl.int64)
+    if ROUTE:
+        token, rank = first // TOP_K, first % TOP_K
+        vals, idxs = _route_row(logits_ptr, token.to(tl.int64), E, stride_l, TOP_K, K_POW2,
+                                BLOCK_E, RENORM, ROUND)
+        js = tl.arange(0, K_POW2)
+        expert = tl.sum(tl.where(js == rank, idxs, 0), 0).to(tl.int64)
+        mine = js < tl.where(rank + pid % n_tiles == 0, TOP_K, 0)  # rank 0, N-tile 0
+        tl.store(ids_ptr + token * TOP_K + js, idxs, mask=mine)
+        tl.store(weights_ptr + token * TOP_K + js, vals, mask=mine)
+    else:
+        expert = tl.load(ids_ptr + first).to(tl.int64)
     rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < A
     if GATED:  # gate / up read the token's hidden state
@@ -271,11 +309,33 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: to
     blocks, pdl = sorted_ids.numel() // cfg.block_m, programmatic(out)
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
         x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
+        w.stride(1), out.stride(0), out, out, 0, 0, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-        launch_pdl=pdl, **_NO_FTZ)
+        PRECISION=_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=False, **_route_meta(1, top_k),
+        RENORM=False, ROUND=False, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
+                   weights: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+                   round_weights: bool, cfg: MoeGemmConfig) -> None:
+    """Steps 1 and 3 in one launch, in the direct layout (``act`` [T k, I] with T k <=
+    ``DIRECT_MAX``): each program routes its token (``_route_row``) and computes its rank's
+    expert's gate/up; ``weights`` [T, k] fp32 and ``ids`` [T, k] int32 are written as
+    ``route`` writes them."""
+    (a, n), (e, k), top_k = act.shape, (logits.shape[1], x.shape[1]), ids.shape[1]
+    sorted_ids, pdl = direct_layout(a, cfg.block_m, x.device), programmatic(act)
+    _moe_gemm_kernel[(a * triton.cdiv(n, cfg.block_n),)](
+        x, w13, act, sorted_ids, ids, a, n, k, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), logits, weights, e, logits.stride(0), GATED=True, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        PRECISION=_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=True, **_route_meta(e, top_k),
+        RENORM=renormalize, ROUND=round_weights, PDL=pdl, num_warps=ROUTE_WARPS,
+        num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
@@ -308,6 +368,124 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
         scale.float().contiguous() if has_shared else weights, out, h, TOP_K=top_k,
         HAS_SHARED=has_shared, BLOCK=COMBINE_BLOCK, PDL=pdl, num_warps=4,
         enable_fp_fusion=False, launch_pdl=pdl)
+
+
+# ---- 4 and 5 in one: the decode layout's down GEMM and combine ------------------------------
+@triton.jit
+def _down_combine_kernel(act_ptr, w_ptr, ids_ptr, wt_ptr, shared_ptr, scale_ptr, out_ptr, N, K,
+                         stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
+                         HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         PRECISION: tl.constexpr, RN: tl.constexpr, PDL: tl.constexpr):
+    """out[t, n] for program (t, N-tile): for j = 0 .. k-1 in rank order, y_j = act[t k + j] .
+    w[ids[t, j], n] as ``_moe_gemm_kernel`` (not gated) computes it (one ascending-K dot from
+    zero, BLOCK_K the down GEMM's, rounded to the output dtype), accumulated as
+    ``_combine_kernel`` does: fp32 ``w_0 y_0``, then ``+ w_j y_j``, then ``+ scale shared``,
+    every product and sum rounded on its own (RN: explicit round-to-nearest ops, which no
+    compiler contracts into an fma; the dot keeps the GEMM's compile options), cast once.
+    One loop over (expert, K tile): the k experts' weight tiles stream through one pipeline."""
+    wait_for_inputs(PDL)
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    t = (pid // n_tiles).to(tl.int64)
+    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    comb = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p: w_0 y_0's bits
+    for i in range(0, TOP_K * k_tiles):
+        j = i // k_tiles
+        k0 = (i - j * k_tiles) * BLOCK_K
+        kk = k0 + offs_k
+        a = t * TOP_K + j
+        expert = tl.load(ids_ptr + a).to(tl.int64)
+        x_ptrs = act_ptr + a * stride_am + offs_m[:, None] * 0 + kk[None, :]
+        w_ptrs = w_ptr + expert * stride_we + (cols % N).to(tl.int64)[None, :] * stride_wn \
+            + kk[:, None]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=(offs_m == 0)[:, None], other=0.0)
+            b = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(offs_m == 0)[:, None] & (kk < K)[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=(kk < K)[:, None], other=0.0)
+        acc = tl.where(k0 == 0, 0.0, acc)  # each expert's dot starts from zero
+        acc = tl.dot(x, b, acc, input_precision=PRECISION)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        comb = tl.where(k0 + BLOCK_K >= K, _add(comb, _mul(tl.load(wt_ptr + a), y, RN), RN),
+                        comb)
+    if HAS_SHARED:
+        shared = tl.load(shared_ptr + t * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        comb = _add(comb, _mul(tl.load(scale_ptr + t), shared[None, :], RN), RN)
+    mask = (offs_m == 0)[:, None] & (cols < N)[None, :]
+    tl.store(out_ptr + t * stride_om + offs_m[:, None] * 0 + cols[None, :],
+             comb.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mul(a, b, RN: tl.constexpr):
+    if RN:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+@triton.jit
+def _add(a, b, RN: tl.constexpr):
+    if RN:
+        return libdevice.add_rn(a, b)
+    return a + b
+
+
+def down_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 shared: torch.Tensor | None, scale: torch.Tensor | None, out: torch.Tensor
+                 ) -> None:
+    """Steps 4 and 5 in one launch for the direct layout: ``out`` [T, H] from ``act`` [T k, I]
+    (rows in (token, rank) order), the bits of ``moe_gemm`` (not gated) then ``combine``."""
+    (t, h), (a, inter), top_k = out.shape, act.shape, ids.shape[1]
+    cfg = pick_config(a, w2.shape[0], act.dtype, False)
+    block_n = decode_block_n(t, h, act.dtype)
+    has_shared, pdl = shared is not None, programmatic(out)
+    _down_combine_kernel[(t * triton.cdiv(h, block_n),)](
+        act, w2, ids, weights, shared.contiguous() if has_shared else act,
+        scale.float().contiguous() if has_shared else weights, out, h, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, HAS_SHARED=has_shared,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=inter % cfg.block_k == 0, PRECISION=_precision(act), RN=EXPLICIT_RN, PDL=pdl,
+        num_warps=4, num_stages=DOWN_COMBINE_STAGES, enable_fp_fusion=FP_FUSION,
+        launch_pdl=pdl, **_NO_FTZ)
+
+
+def decode_block_n(tokens: int, hidden: int, dtype: torch.dtype) -> int:
+    """The down+combine kernel's N tile: the widest (<= 128, fp32 <= 32) that still gives
+    ``DECODE_PROGRAMS`` programs (free to vary: a tile does not change a dot's bits)."""
+    widest = 32 if dtype == torch.float32 else 128
+    block = 16
+    while block < widest and tokens * hidden // (2 * block) >= DECODE_PROGRAMS:
+        block *= 2
+    return block
+
+
+def decode_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   top_k: int, renormalize: bool, round_weights: bool,
+                   shared: torch.Tensor | None, scale: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``route`` then ``fused_experts`` in two launches, for T k <= ``DIRECT_MAX`` (decode):
+    (out [T, H] in x's dtype, weights fp32 [T, k], ids int32 [T, k]), the same bits."""
+    (t, h), experts = x.shape, w13.shape[0]
+    a = t * top_k
+    if a > DIRECT_MAX:
+        raise ValueError(f"decode_experts: {t} tokens x top-{top_k} = {a} assignments > "
+                         f"DIRECT_MAX = {DIRECT_MAX}")
+    x, logits = _unit_stride(x), _unit_stride(logits)
+    w13, w2 = _unit_stride(w13), _unit_stride(w2)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    if t:
+        act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
+        routed_gate_up(x, logits, w13, act, weights, ids, renormalize, round_weights,
+                       pick_config(a, experts, x.dtype, True))
+        down_combine(act, w2, ids, weights, shared, scale, out)
+    return out, weights, ids
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
