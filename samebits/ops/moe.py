@@ -64,13 +64,14 @@ def routed_experts(ops: OpBackend, logits: torch.Tensor, x: torch.Tensor, w13: t
                    ) -> torch.Tensor:
     """``fused_experts`` of ``select_experts(logits)`` -> [T, H]. On CUDA's invariant backend
     outside the trainer, at decode sizes (T k <= the Triton kernels' ``DIRECT_MAX``), two
-    launches instead of four (``samebits.ops.triton.moe.decode_experts``): the same bits."""
+    launches instead of four (``samebits.ops.triton.moe_decode.decode_experts``): the same bits."""
     inner = getattr(ops, "inner", ops)
     if x.is_cuda and inner is ops and inner.batch_invariant:
         from samebits.ops.triton import moe as triton_moe
+        from samebits.ops.triton import moe_decode
         if x.shape[0] * top_k <= triton_moe.DIRECT_MAX:
             with torch.no_grad():
-                return triton_moe.decode_experts(x, logits, w13, w2, top_k, renormalize,
+                return moe_decode.decode_experts(x, logits, w13, w2, top_k, renormalize,
                                                  round_weights, shared, scale)[0]
     weights, ids = select_experts(ops, logits, top_k, renormalize, round_weights)
     return fused_experts(ops, x, w13, w2, weights, ids, shared, scale)

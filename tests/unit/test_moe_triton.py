@@ -24,13 +24,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-for _name in ("activation", "linear", "moe"):  # re-import under the interpreter
+for _name in ("activation", "linear", "moe", "moe_decode"):  # re-import under the interpreter
     if f"samebits.ops.triton.{_name}" in sys.modules:
         importlib.reload(sys.modules[f"samebits.ops.triton.{_name}"])
 from samebits.ops import moe as ops_moe  # noqa: E402
 from samebits.ops.triton import activation as ACT  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 from samebits.ops.triton import moe as M  # noqa: E402
+from samebits.ops.triton import moe_decode as D  # noqa: E402
 
 E, H, INTER, K = 8, 64, 32, 2
 
@@ -155,7 +156,7 @@ def test_decode_experts_are_the_bits_of_route_then_fused_experts(dtype, with_sha
     for t in range(1, 5):
         rows = (x[:t], w13, w2, logits[:t], shared[:t] if with_shared else None,
                 scale[:t] if with_shared else None)
-        out, w, ids = M.decode_experts(rows[0], rows[3], w13, w2, DECODE_K, True, True,
+        out, w, ids = D.decode_experts(rows[0], rows[3], w13, w2, DECODE_K, True, True,
                                        *rows[4:])
         want_out, want_w, want_ids = _unfused(*rows)
         assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
@@ -167,7 +168,7 @@ def test_decode_combine_in_another_order_or_contracted_differs(monkeypatch):
     shared term first or with fused multiply-adds, are not the decode path's bits."""
     monkeypatch.setattr(M, "pick_config", lambda *args: DECODE_CFG)
     x, w13, w2, logits, shared, scale = _decode_inputs(4, torch.float32, seed=4)
-    out, w, ids = M.decode_experts(x, logits, w13, w2, DECODE_K, True, True, shared, scale)
+    out, w, ids = D.decode_experts(x, logits, w13, w2, DECODE_K, True, True, shared, scale)
     flat = ids.reshape(-1)
     layout = M.direct_layout(flat.numel(), DECODE_CFG.block_m, x.device)
     act = torch.empty(flat.numel(), DECODE_INTER)

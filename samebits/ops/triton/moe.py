@@ -5,7 +5,7 @@ the batch (CUDA graphs capture them):
 
 1. ``_route_kernel``, one program per token: softmax of its fp32 logits, the top k by repeated
    max with ties to the lowest expert id, the renormalization by their rank-order sum (IEEE
-   division), the rounding to the logits' dtype. Its warps and block are functions of E.
+   division), the rounding to the logits' dtype. Its block is a function of E.
 2. align: the (token, rank) assignments ``a = t k + j`` sorted by expert (stable), each expert's
    run padded to whole ``BLOCK_M`` blocks, ``sorted_ids[slot] = a`` (sentinel A for padding):
    ``_align_kernel`` in one program up to ``ALIGN_ONE_PROGRAM`` assignments, torch ops beyond.
@@ -20,6 +20,10 @@ the batch (CUDA graphs capture them):
 5. ``_combine_kernel``, per token: ``acc = w_0 y_0``, ``acc += w_j y_j`` in rank order, ``+ scale
    * shared``, in fp32 without contraction (the bits of ``samebits.ops.moe.combine_ordered``
    over torch's CUDA ops), cast once.
+
+Decode (T k <= ``DIRECT_MAX``): two launches with the same bits, ``moe_decode.decode_experts``.
+The GEMM's ROUTE variant routes its token itself (1 + 3: ``_route_row``, the route kernel's own
+code, with the same warps and compile options) and writes the ids and weights.
 
 Invariance: every element of y is ``tl.dot`` over ascending K from zero, the K order fixed by K
 and BLOCK_K alone, so a token's bits depend on its row and its expert's weights -- not on how
@@ -44,15 +48,10 @@ from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
 COMBINE_BLOCK = 1024
-DECODE_PROGRAMS = 128  # programs the down+combine kernel aims for (an H100 has 132 SMs)
-DOWN_COMBINE_STAGES = 6  # its pipeline depth: the k experts' weight tiles are one stream
 _NO_FTZ = {"enable_reflect_ftz": False}
 # Warps of every kernel that routes (``_route_row``): a reduction's order follows the layout,
 # which follows the warps, so the route kernel and the routed GEMM take the same number.
 ROUTE_WARPS = 4
-# libdevice's mul_rn / add_rn, never contracted; the interpreter has no libdevice (and numpy
-# never contracts)
-EXPLICIT_RN = ACCURATE_EXP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +139,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
         pdl = programmatic(logits)
-        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), **_route_meta(e, top_k),
+        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), **route_meta(e, top_k),
                             RENORM=renormalize, ROUND=round_weights, PDL=pdl,
                             num_warps=ROUTE_WARPS, enable_fp_fusion=FP_FUSION, launch_pdl=pdl,
                             **_NO_FTZ)
     return weights, ids
 
 
-def _route_meta(experts: int, top_k: int) -> dict[str, int]:
+def route_meta(experts: int, top_k: int) -> dict[str, int]:
     return {"TOP_K": top_k, "K_POW2": max(2, triton.next_power_of_2(top_k)),
             "BLOCK_E": max(16, triton.next_power_of_2(experts))}
 
@@ -311,31 +310,13 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: to
         x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
         w.stride(1), out.stride(0), out, out, 0, 0, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PRECISION=_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=False, **_route_meta(1, top_k),
+        PRECISION=dot_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=False, **route_meta(1, top_k),
         RENORM=False, ROUND=False, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
 
 
-def _precision(x: torch.Tensor) -> str:
+def dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
-def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
-                   weights: torch.Tensor, ids: torch.Tensor, renormalize: bool,
-                   round_weights: bool, cfg: MoeGemmConfig) -> None:
-    """Steps 1 and 3 in one launch, in the direct layout (``act`` [T k, I] with T k <=
-    ``DIRECT_MAX``): each program routes its token (``_route_row``) and computes its rank's
-    expert's gate/up; ``weights`` [T, k] fp32 and ``ids`` [T, k] int32 are written as
-    ``route`` writes them."""
-    (a, n), (e, k), top_k = act.shape, (logits.shape[1], x.shape[1]), ids.shape[1]
-    sorted_ids, pdl = direct_layout(a, cfg.block_m, x.device), programmatic(act)
-    _moe_gemm_kernel[(a * triton.cdiv(n, cfg.block_n),)](
-        x, w13, act, sorted_ids, ids, a, n, k, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), logits, weights, e, logits.stride(0), GATED=True, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PRECISION=_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=True, **_route_meta(e, top_k),
-        RENORM=renormalize, ROUND=round_weights, PDL=pdl, num_warps=ROUTE_WARPS,
-        num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
@@ -370,124 +351,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
         enable_fp_fusion=False, launch_pdl=pdl)
 
 
-# ---- 4 and 5 in one: the decode layout's down GEMM and combine ------------------------------
-@triton.jit
-def _down_combine_kernel(act_ptr, w_ptr, ids_ptr, wt_ptr, shared_ptr, scale_ptr, out_ptr, N, K,
-                         stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
-                         HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         PRECISION: tl.constexpr, RN: tl.constexpr, PDL: tl.constexpr):
-    """out[t, n] for program (t, N-tile): for j = 0 .. k-1 in rank order, y_j = act[t k + j] .
-    w[ids[t, j], n] as ``_moe_gemm_kernel`` (not gated) computes it (one ascending-K dot from
-    zero, BLOCK_K the down GEMM's, rounded to the output dtype), accumulated as
-    ``_combine_kernel`` does: fp32 ``w_0 y_0``, then ``+ w_j y_j``, then ``+ scale shared``,
-    every product and sum rounded on its own (RN: explicit round-to-nearest ops, which no
-    compiler contracts into an fma; the dot keeps the GEMM's compile options), cast once.
-    One loop over (expert, K tile): the k experts' weight tiles stream through one pipeline."""
-    wait_for_inputs(PDL)
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    t = (pid // n_tiles).to(tl.int64)
-    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    comb = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p: w_0 y_0's bits
-    for i in range(0, TOP_K * k_tiles):
-        j = i // k_tiles
-        k0 = (i - j * k_tiles) * BLOCK_K
-        kk = k0 + offs_k
-        a = t * TOP_K + j
-        expert = tl.load(ids_ptr + a).to(tl.int64)
-        x_ptrs = act_ptr + a * stride_am + offs_m[:, None] * 0 + kk[None, :]
-        w_ptrs = w_ptr + expert * stride_we + (cols % N).to(tl.int64)[None, :] * stride_wn \
-            + kk[:, None]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=(offs_m == 0)[:, None], other=0.0)
-            b = tl.load(w_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=(offs_m == 0)[:, None] & (kk < K)[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=(kk < K)[:, None], other=0.0)
-        acc = tl.where(k0 == 0, 0.0, acc)  # each expert's dot starts from zero
-        acc = tl.dot(x, b, acc, input_precision=PRECISION)
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        comb = tl.where(k0 + BLOCK_K >= K, _add(comb, _mul(tl.load(wt_ptr + a), y, RN), RN),
-                        comb)
-    if HAS_SHARED:
-        shared = tl.load(shared_ptr + t * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        comb = _add(comb, _mul(tl.load(scale_ptr + t), shared[None, :], RN), RN)
-    mask = (offs_m == 0)[:, None] & (cols < N)[None, :]
-    tl.store(out_ptr + t * stride_om + offs_m[:, None] * 0 + cols[None, :],
-             comb.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mul(a, b, RN: tl.constexpr):
-    if RN:
-        return libdevice.mul_rn(a, b)
-    return a * b
-
-
-@triton.jit
-def _add(a, b, RN: tl.constexpr):
-    if RN:
-        return libdevice.add_rn(a, b)
-    return a + b
-
-
-def down_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 shared: torch.Tensor | None, scale: torch.Tensor | None, out: torch.Tensor
-                 ) -> None:
-    """Steps 4 and 5 in one launch for the direct layout: ``out`` [T, H] from ``act`` [T k, I]
-    (rows in (token, rank) order), the bits of ``moe_gemm`` (not gated) then ``combine``."""
-    (t, h), (a, inter), top_k = out.shape, act.shape, ids.shape[1]
-    cfg = pick_config(a, w2.shape[0], act.dtype, False)
-    block_n = decode_block_n(t, h, act.dtype)
-    has_shared, pdl = shared is not None, programmatic(out)
-    _down_combine_kernel[(t * triton.cdiv(h, block_n),)](
-        act, w2, ids, weights, shared.contiguous() if has_shared else act,
-        scale.float().contiguous() if has_shared else weights, out, h, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, HAS_SHARED=has_shared,
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=inter % cfg.block_k == 0, PRECISION=_precision(act), RN=EXPLICIT_RN, PDL=pdl,
-        num_warps=4, num_stages=DOWN_COMBINE_STAGES, enable_fp_fusion=FP_FUSION,
-        launch_pdl=pdl, **_NO_FTZ)
-
-
-def decode_block_n(tokens: int, hidden: int, dtype: torch.dtype) -> int:
-    """The down+combine kernel's N tile: the widest (<= 128, fp32 <= 32) that still gives
-    ``DECODE_PROGRAMS`` programs (free to vary: a tile does not change a dot's bits)."""
-    widest = 32 if dtype == torch.float32 else 128
-    block = 16
-    while block < widest and tokens * hidden // (2 * block) >= DECODE_PROGRAMS:
-        block *= 2
-    return block
-
-
-def decode_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   top_k: int, renormalize: bool, round_weights: bool,
-                   shared: torch.Tensor | None, scale: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``route`` then ``fused_experts`` in two launches, for T k <= ``DIRECT_MAX`` (decode):
-    (out [T, H] in x's dtype, weights fp32 [T, k], ids int32 [T, k]), the same bits."""
-    (t, h), experts = x.shape, w13.shape[0]
-    a = t * top_k
-    if a > DIRECT_MAX:
-        raise ValueError(f"decode_experts: {t} tokens x top-{top_k} = {a} assignments > "
-                         f"DIRECT_MAX = {DIRECT_MAX}")
-    x, logits = _unit_stride(x), _unit_stride(logits)
-    w13, w2 = _unit_stride(w13), _unit_stride(w2)
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-    if t:
-        act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
-        routed_gate_up(x, logits, w13, act, weights, ids, renormalize, round_weights,
-                       pick_config(a, experts, x.dtype, True))
-        down_combine(act, w2, ids, weights, shared, scale, out)
-    return out, weights, ids
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   shared: torch.Tensor | None, scale: torch.Tensor | None, *,
                   ids: torch.Tensor) -> torch.Tensor:
@@ -496,8 +359,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if not t:
         return out
-    x = _unit_stride(x)
-    w13, w2 = _unit_stride(w13), _unit_stride(w2)
+    x = unit_stride(x)
+    w13, w2 = unit_stride(w13), unit_stride(w2)
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     a = flat.numel()
     up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
@@ -513,5 +376,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
