@@ -27,7 +27,7 @@ from samebits.ops.triton.activation import ACCURATE_EXP, FP_FUSION
 from samebits.ops.triton.launcher import programmatic, wait_for_inputs
 
 DECODE_PROGRAMS = 128  # programs the down+combine kernel aims for (an H100 has 132 SMs)
-DOWN_COMBINE_STAGES = 6  # its pipeline depth: the k experts' weight tiles are one stream
+DOWN_COMBINE_STAGES = 6  # num_stages of its one (rank, K tile) loop, where Triton pipelines it
 # libdevice's mul_rn / add_rn, which no compiler contracts into an fma; the interpreter has no
 # libdevice (and numpy never contracts)
 EXPLICIT_RN = ACCURATE_EXP
