@@ -216,3 +216,16 @@ class ParallelLMHead(nn.Module):
     def forward(self, ops: OpBackend, hidden: torch.Tensor) -> torch.Tensor:
         local = ops.linear(hidden, self.weight).float()
         return self.group.gather_cat(local, self.spec.sizes(0), dim=-1)
+
+
+def full_bytes(model: nn.Module) -> int:
+    """Bytes of the whole model's weights, whatever shard of them this rank holds (a sharded
+    parameter counts at its full size along its split dim; replicated ones once)."""
+    total = 0
+    for p in model.parameters():
+        spec: ShardSpec | None = getattr(p, "spec", None)
+        numel = p.numel()
+        if spec is not None and spec.dim is not None and p.shape[spec.dim]:
+            numel = numel // p.shape[spec.dim] * sum(spec.full_sizes)
+        total += numel * p.element_size()
+    return total

@@ -36,6 +36,7 @@ from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
 from samebits.llm_options import loaded_with_tokenizer
+from samebits.models.parallel import full_bytes
 from samebits.server.engine_core import IDLE_CHECK_S, CoreOutputs, EngineCore, Stop
 from samebits.text.tokenizer import Tokenizer
 
@@ -54,7 +55,7 @@ class EngineInfo:
     tokenizer: Tokenizer | None
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # the stop ids structured output completes with
-    model_bytes: int  # of the served model's weights (rank 0's under tensor parallel)
+    model_bytes: int  # of the served model's whole weights (every rank's shards together)
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,9 @@ class _Outbox:
 
 
 def model_bytes(engine: LLMEngine) -> int:
-    """Bytes of the engine's model weights (rank 0's full model under tensor parallel)."""
-    return sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    """Bytes of the engine's whole model weights (under tensor parallel too, where rank 0 holds
+    only its shard): the limit on a weight update's files."""
+    return full_bytes(engine.loaded.model)
 
 
 def _portable(error: BaseException) -> BaseException:

@@ -33,8 +33,8 @@ def engine() -> LLMEngine:
     eng = LLMEngine(EngineConfig(CONFIG, load_format="dummy", device="cuda", dtype="bfloat16",
                                  kv_cache_memory_bytes=1 << 29, seed=0))
     with torch.no_grad():
-        eng.loaded.model.embed_tokens[NAN_TOKEN] = float("nan")
-        eng.loaded.model.embed_tokens[INF_TOKEN] = float("inf")
+        eng.loaded.model.embed_tokens.weight[NAN_TOKEN] = float("nan")
+        eng.loaded.model.embed_tokens.weight[INF_TOKEN] = float("inf")
     return eng
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup
 from samebits.loader import load
-from samebits.models.parallel import QKVParallelLinear, RowParallelLinear
+from samebits.models.parallel import QKVParallelLinear, RowParallelLinear, full_bytes
 from samebits.models.weights import WeightMap
 
 # 12 query heads, 6 KV heads (N = 2, 3 divide them), an uneven intermediate size, tied head
@@ -57,6 +57,17 @@ def test_each_rank_holds_its_share_of_the_matrices(model_dir, n):
     assert all(_bytes(m, False) == _bytes(whole, False) for m in ranks)  # the norms
     assert _bytes(whole, False) < 0.02 * total
     assert all(m.lm_head.weight is m.embed_tokens.weight for m in ranks)  # tied, per rank
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_rank_counts_the_whole_models_bytes(model_dir, n):
+    """``full_bytes`` (the weight-update size limit) is the whole model's on every rank, though
+    each holds only its shard."""
+    whole = load(EngineConfig(str(model_dir))).model
+    config = EngineConfig(str(model_dir), tensor_parallel_size=n)
+    want = sum(p.numel() * p.element_size() for p in whole.parameters())
+    assert full_bytes(whole) == want
+    assert [full_bytes(load(config, TPGroup(r, n)).model) for r in range(n)] == [want] * n
 
 
 def test_rank_loaded_from_a_checkpoint_holds_exactly_its_slices(model_dir):
