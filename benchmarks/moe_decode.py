@@ -8,9 +8,7 @@ decode: greedy decode tok/s at batch 1 (``(N - 1) / (t(N) - t(1))``, the prefill
 share of the roofline ``copy bandwidth / bytes one token reads``: every weight once except the
 experts, of which only the top-k routed ones (8 of 128 per layer) count, and one embedding row;
 the bandwidth is a 1 GiB device copy measured in the same run. Then the kernels of a decode step
-(``decode_roofline.kernel_profile``). A batch-1 step takes the two-launch decode path of each
-sparse layer (``_moe_gemm_kernel`` routing, ``_down_combine_kernel``): no route or combine kernel
-appears in the profile.
+(``decode_roofline.kernel_profile``).
 
 e2e: 16 requests of 1024 random prompt tokens and 1024 generated (temperature 0.8), all in one
 batch, each mode in a fresh engine (the model is 61 GB: one at a time). The standard mode is
@@ -20,9 +18,7 @@ path), SDPA prefill and flash-decoding attention.
 
 layer: one layer's experts (routing given) on T tokens, each path replayed from a CUDA graph:
 the invariant Triton kernels against ``grouped_mm``, and the invariant kernels' bytes/s (the
-routed experts' weights, read once) against the copy bandwidth. At decode sizes (T k <=
-``DIRECT_MAX``) also routing + experts from the logits with PDL: the decode path's two launches
-(``moe_decode.decode_experts``, the engine's at batch <= 4) against route + four launches.
+routed experts' weights, read once) against the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -80,8 +76,6 @@ def decode(args: argparse.Namespace, bandwidth: float) -> None:
     print(json.dumps({"bench": "moe_decode_profile",
                       "kernels_per_step": round(sum(r[1] for r in rows)),
                       "gpu_us_per_step": round(sum(r[2] for r in rows), 1),
-                      "decode_path_launches_per_step": round(sum(
-                          c for n, c, _ in rows if "_down_combine_kernel" in n)),
                       "top": [[n, round(c, 2), round(us, 1)] for n, c, us in rows[:args.top]],
                       "idle_us": [[k, round(v, 1)] for k, v in idle[:10]]}), flush=True)
 
@@ -147,8 +141,8 @@ def layer(args: argparse.Namespace, bandwidth: float) -> None:
     w2 = (torch.randn(e, h, i, device="cuda") / 28).bfloat16()
     for tokens in args.tokens:
         x = torch.randn(tokens, h, device="cuda").bfloat16()
-        logits = torch.randn(tokens, e, device="cuda").bfloat16()
-        weights, ids = triton_moe.route(logits, k, True, True)
+        weights, ids = triton_moe.route(torch.randn(tokens, e, device="cuda").bfloat16(), k,
+                                        True, True)
         experts = int(torch.unique(ids).numel())
         nbytes = experts * 3 * h * i * 2 + tokens * h * 2 * 2
         args_ = (x, w13, w2, weights, None, None)
@@ -157,8 +151,6 @@ def layer(args: argparse.Namespace, bandwidth: float) -> None:
                "experts_hit": experts, "invariant_us": round(inv, 1),
                "invariant_GB_s": round(nbytes / inv / 1e3, 1),
                "ratio_to_copy_bandwidth": round(nbytes / inv * 1e6 / bandwidth, 3)}
-        if tokens * k <= triton_moe.DIRECT_MAX:
-            row |= _decode_path(x, logits, w13, w2, k)
         try:
             std = _graph_us(partial(ops_moe.experts_grouped_mm, *args_, ids=ids))
             row |= {"grouped_mm_us": round(std, 1),
@@ -166,26 +158,6 @@ def layer(args: argparse.Namespace, bandwidth: float) -> None:
         except RuntimeError as e:  # grouped_mm missing or not capturable here: say so
             row |= {"grouped_mm_error": str(e)[:200]}
         print(json.dumps(row), flush=True)
-
-
-def _decode_path(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 k: int) -> dict:
-    """Routing and experts from the logits, as the engine's graphs run them (PDL): the decode
-    path's two launches against route + gate/up + down + combine (the same bits)."""
-    from samebits.ops.triton import moe as triton_moe
-    from samebits.ops.triton import moe_decode
-    from samebits.ops.triton.launcher import as_captured
-
-    def unfused() -> None:
-        weights, ids = triton_moe.route(logits, k, True, True)
-        triton_moe.fused_experts(x, w13, w2, weights, None, None, ids=ids)
-
-    with as_captured():
-        fused = _graph_us(partial(moe_decode.decode_experts, x, logits, w13, w2, k, True, True,
-                                  None, None))
-        four = _graph_us(unfused)
-    return {"decode_path_us": round(fused, 1), "route_and_4_launches_us": round(four, 1),
-            "ratio_decode_path_over_unfused_time": round(fused / four, 3)}
 
 
 def main() -> None:

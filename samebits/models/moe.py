@@ -4,8 +4,7 @@ The Llama decoder (``samebits.models.llama``) with the MLP of each sparse layer
 (``MoeConfig.is_sparse``: ``decoder_sparse_step`` / ``mlp_only_layers``) replaced by a
 ``SparseMoeBlock``: router logits (the backend's linear), routing (``samebits.ops.moe.
 select_experts``: fp32 softmax, top-k with ties to the lowest expert id), the experts and their
-fixed-order fp32 combine (``samebits.ops.moe.fused_experts``), both through
-``samebits.ops.moe.routed_experts``. Attention, norms, the dense MLPs
+fixed-order fp32 combine (``samebits.ops.moe.fused_experts``). Attention, norms, the dense MLPs
 (and Qwen2-MoE's shared expert, a dense MLP) and the LM head are the Llama decoder's own.
 
 Expert weights are stacked at load: ``experts_gate_up`` holds expert e's gate rows then its up
@@ -33,7 +32,7 @@ from samebits.models.moe_config import MoeModelConfig
 from samebits.models.parallel import replicated_param
 from samebits.models.weights import fused_param, load_weights, tensor_shape
 from samebits.ops.backend import OpBackend
-from samebits.ops.moe import routed_experts, sigmoid_gate
+from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
 
 
 class SparseMoeBlock(nn.Module):
@@ -55,14 +54,16 @@ class SparseMoeBlock(nn.Module):
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         logits = ops.linear(h, self.gate)  # [T, E] in h's dtype
+        weights, ids = select_experts(ops, logits, moe.top_k, moe.renormalize,
+                                      moe.round_weights)
         shared = scale = None
         if self.shared_expert is not None:
             shared = self.shared_expert(ops, h)
             scale = sigmoid_gate(ops, ops.linear(h, self.shared_expert_gate))
         e = moe.num_experts
-        return routed_experts(ops, logits, h, self.experts_gate_up.view(e, -1, h.shape[-1]),
-                              self.experts_down.view(e, h.shape[-1], -1), moe.top_k,
-                              moe.renormalize, moe.round_weights, shared, scale)
+        return fused_experts(ops, h, self.experts_gate_up.view(e, -1, h.shape[-1]),
+                             self.experts_down.view(e, h.shape[-1], -1), weights, ids, shared,
+                             scale)
 
 
 class MoeDecoderLayer(DecoderLayer):

@@ -2,9 +2,7 @@
 
 ``select_experts(ops, logits, k, ...)`` -> (weights fp32 [T, k], ids int32 [T, k]) and
 ``fused_experts(ops, x, w13, w2, weights, ids, shared, scale)`` -> [T, H] in x's dtype, with
-``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I];
-``routed_experts(ops, logits, x, w13, w2, k, ...)`` is the two in one call (the model's), with
-fewer launches at CUDA decode sizes and the same bits.
+``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I].
 
 Arithmetic of the invariant backends (a token's bits depend on its own row and the weights only):
 
@@ -56,25 +54,6 @@ def select_experts(ops: OpBackend, logits: torch.Tensor, top_k: int, renormalize
                                      round_weights=round_weights), logits)
     with torch.no_grad():
         return route(logits, top_k=top_k, renormalize=renormalize, round_weights=round_weights)
-
-
-def routed_experts(ops: OpBackend, logits: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool,
-                   shared: torch.Tensor | None = None, scale: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """``fused_experts`` of ``select_experts(logits)`` -> [T, H]. On CUDA's invariant backend
-    outside the trainer, at decode sizes (T k <= the Triton kernels' ``DIRECT_MAX``), two
-    launches instead of four (``samebits.ops.triton.moe_decode.decode_experts``): the same bits."""
-    inner = getattr(ops, "inner", ops)
-    if x.is_cuda and inner is ops and inner.batch_invariant:
-        from samebits.ops.triton import moe as triton_moe
-        from samebits.ops.triton import moe_decode
-        if x.shape[0] * top_k <= triton_moe.DIRECT_MAX:
-            with torch.no_grad():
-                return moe_decode.decode_experts(x, logits, w13, w2, top_k, renormalize,
-                                                 round_weights, shared, scale)[0]
-    weights, ids = select_experts(ops, logits, top_k, renormalize, round_weights)
-    return fused_experts(ops, x, w13, w2, weights, ids, shared, scale)
 
 
 def sigmoid_gate(ops: OpBackend, g: torch.Tensor) -> torch.Tensor:

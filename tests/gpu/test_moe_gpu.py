@@ -7,9 +7,7 @@ in a batch of 64 whose decode steps replay CUDA graphs, with chunked prefill and
 under preemption, and ``score(prompt + generation)``; the trainer's logprobs equal the
 sampler's. The kernels on one layer: a token's expert output is the same bits alone, in a decode
 batch of 64 and in a 2048-token prefill (each taking other tiles), under every tile config, and
-it is the bits of the engine's ``linear`` / ``silu_mul`` / ``linear`` on that token. The decode
-path (route fused into the gate/up GEMM, down GEMM and combine in one kernel) gives the route
-kernel's ids and weights and the unfused experts' rows, eager and replayed with PDL. Negative
+it is the bits of the engine's ``linear`` / ``silu_mul`` / ``linear`` on that token. Negative
 controls: the standard mode (``F.grouped_mm`` experts, cuBLAS, torch.topk) differs with the
 batch, in the engine and in one layer.
 """
@@ -169,61 +167,3 @@ def test_route_kernel_picks_the_cpu_definitions_experts(layer):
     ids = triton_moe.route(logits, TOP_K, True, True)[1]
     want = ops_moe.topk_lowest_id(torch.softmax(logits.float().cpu(), -1), TOP_K)[1]
     assert (ids.cpu() != want).any(1).float().mean() < 0.01  # softmax last-bit ties aside
-
-
-# ---- the decode path (two launches: routed gate/up, down + combine) ------------------------
-@pytest.fixture(scope="module")
-def shared_term():
-    g = torch.Generator(device="cuda").manual_seed(1)
-    return (torch.randn(2048, H, generator=g, device="cuda").bfloat16(),
-            torch.rand(2048, generator=g, device="cuda"))
-
-
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_decode_path_is_the_bits_of_route_and_the_unfused_experts(layer, shared_term,
-                                                                   with_shared):
-    """1-4 tokens through ``decode_experts``: the route kernel's ids and weights, and the rows
-    of the unfused experts (route, align, two GEMMs, combine) on a 2048-token batch."""
-    from samebits.ops.triton import moe as triton_moe
-    from samebits.ops.triton import moe_decode
-    x, w13, w2, logits = layer
-    shared, scale = shared_term if with_shared else (None, None)
-    w, ids = triton_moe.route(logits, TOP_K, True, True)
-    want = triton_moe.fused_experts(x, w13, w2, w, shared, scale, ids=ids)
-    cuts = [(0, 1), (5, 1), (6, 2), (8, 3)] + [(11 + 4 * i, 4) for i in range(64)]
-    for start, t in cuts:
-        rows = slice(start, start + t)
-        out, wd, idd = moe_decode.decode_experts(
-            x[rows], logits[rows], w13, w2, TOP_K, True, True,
-            shared[rows] if with_shared else None, scale[rows] if with_shared else None)
-        assert torch.equal(idd, ids[rows]) and torch.equal(wd, w[rows]), rows
-        assert torch.equal(out, want[rows]), rows
-
-
-def test_decode_path_replayed_in_a_cuda_graph_with_pdl_is_the_eager_bits(layer):
-    from samebits.ops.triton import moe_decode
-    from samebits.ops.triton.launcher import as_captured
-    x, w13, w2, logits = layer
-    args = (x[20:24].clone(), logits[20:24].clone(), w13, w2, TOP_K, True, True, None, None)
-    want = moe_decode.decode_experts(*args)
-    with as_captured():
-        moe_decode.decode_experts(*args)  # compiles the PDL variants before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = moe_decode.decode_experts(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-
-
-def test_the_engines_moe_block_takes_the_decode_path_at_decode_sizes(layer, monkeypatch):
-    from samebits.ops.triton import moe_decode
-    x, w13, w2, logits = layer
-    calls = []
-    real = moe_decode.decode_experts
-    monkeypatch.setattr(moe_decode, "decode_experts", lambda *a: calls.append(1) or real(*a))
-    ops = get_backend("cuda", True)
-    out4 = ops_moe.routed_experts(ops, logits[:4], x[:4], w13, w2, TOP_K, True, True)
-    out5 = ops_moe.routed_experts(ops, logits[:5], x[:5], w13, w2, TOP_K, True, True)
-    assert len(calls) == 1 and torch.equal(out4, out5[:4])

@@ -24,14 +24,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-for _name in ("activation", "linear", "moe", "moe_decode"):  # re-import under the interpreter
+for _name in ("activation", "linear", "moe"):  # re-import under the interpreter
     if f"samebits.ops.triton.{_name}" in sys.modules:
         importlib.reload(sys.modules[f"samebits.ops.triton.{_name}"])
 from samebits.ops import moe as ops_moe  # noqa: E402
 from samebits.ops.triton import activation as ACT  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 from samebits.ops.triton import moe as M  # noqa: E402
-from samebits.ops.triton import moe_decode as D  # noqa: E402
 
 E, H, INTER, K = 8, 64, 32, 2
 
@@ -119,69 +118,3 @@ def test_combine_with_shared_expert_is_torchs_formula_bitwise():
     M.combine(y, w, shared, scale, out)
     want = ops_moe.combine_ordered(y.view(5, K, H), w, shared, scale, torch.float32)
     assert torch.equal(out, want)
-
-
-# ---- the decode path: route in the gate/up GEMM, down GEMM and combine in one kernel ---------
-DECODE_K, DECODE_INTER = 3, 48  # k = 3: the combine's order matters; I = 48: K tiles 32 + 16
-DECODE_CFG = M.MoeGemmConfig(16, 16, 32, 4, 2)  # several K tiles per expert, the last partial
-
-
-def _decode_inputs(t: int, dtype: torch.dtype, seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * DECODE_INTER, H, generator=g) / 8).to(dtype)
-    w2 = (torch.randn(E, H, DECODE_INTER, generator=g) / 7).to(dtype)
-    logits = (torch.randn(t, E, generator=g) * 3).to(dtype)
-    shared, scale = torch.randn(t, H, generator=g).to(dtype), torch.rand(t, generator=g)
-    return x, w13, w2, logits, shared, scale
-
-
-def _unfused(x, w13, w2, logits, shared, scale):
-    w, ids = M.route(logits, DECODE_K, True, True)
-    return M.fused_experts(x, w13, w2, w, shared, scale, ids=ids), w, ids
-
-
-@pytest.mark.parametrize("with_shared", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_experts_are_the_bits_of_route_then_fused_experts(dtype, with_shared,
-                                                                  monkeypatch):
-    """For T = 1..4 tokens: the two-launch decode path == route + gate/up + down + combine
-    (out, weights, ids), in the direct layout and in the aligned one (a large batch's)."""
-    monkeypatch.setattr(M, "pick_config", lambda *args: DECODE_CFG)
-    x, w13, w2, logits, shared, scale = _decode_inputs(4, dtype)
-    shared, scale = (shared, scale) if with_shared else (None, None)
-    with monkeypatch.context() as m:
-        m.setattr(M, "DIRECT_MAX", 0)
-        aligned = _unfused(x, w13, w2, logits, shared, scale)[0]
-    for t in range(1, 5):
-        rows = (x[:t], w13, w2, logits[:t], shared[:t] if with_shared else None,
-                scale[:t] if with_shared else None)
-        out, w, ids = D.decode_experts(rows[0], rows[3], w13, w2, DECODE_K, True, True,
-                                       *rows[4:])
-        want_out, want_w, want_ids = _unfused(*rows)
-        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
-        assert torch.equal(out, want_out) and torch.equal(out, aligned[:t]), t
-
-
-def test_decode_combine_in_another_order_or_contracted_differs(monkeypatch):
-    """Negative control: the expert outputs of the decode path's own routing, combined with the
-    shared term first or with fused multiply-adds, are not the decode path's bits."""
-    monkeypatch.setattr(M, "pick_config", lambda *args: DECODE_CFG)
-    x, w13, w2, logits, shared, scale = _decode_inputs(4, torch.float32, seed=4)
-    out, w, ids = D.decode_experts(x, logits, w13, w2, DECODE_K, True, True, shared, scale)
-    flat = ids.reshape(-1)
-    layout = M.direct_layout(flat.numel(), DECODE_CFG.block_m, x.device)
-    act = torch.empty(flat.numel(), DECODE_INTER)
-    M.moe_gemm(x, w13, act, layout, flat, DECODE_K, True, DECODE_CFG)
-    y = torch.empty(flat.numel(), H)
-    M.moe_gemm(act, w2, y, layout, flat, DECODE_K, False, DECODE_CFG)
-    y = y.view(4, DECODE_K, H)
-    assert torch.equal(out, ops_moe.combine_ordered(y, w, shared, scale, torch.float32))
-    shared_first = scale[:, None] * shared
-    fma = (w[:, 0:1] * y[:, 0]).double()
-    for j in range(DECODE_K):
-        shared_first = shared_first + w[:, j:j + 1] * y[:, j]
-        if j:  # one rounding of the product and the sum
-            fma = (fma + w[:, j:j + 1].double() * y[:, j].double()).float().double()
-    fma = (fma + scale[:, None].double() * shared.double()).float()
-    assert not torch.equal(out, shared_first) and not torch.equal(out, fma)

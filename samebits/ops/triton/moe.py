@@ -5,7 +5,7 @@ the batch (CUDA graphs capture them):
 
 1. ``_route_kernel``, one program per token: softmax of its fp32 logits, the top k by repeated
    max with ties to the lowest expert id, the renormalization by their rank-order sum (IEEE
-   division), the rounding to the logits' dtype. Its block is a function of E.
+   division), the rounding to the logits' dtype. Its warps and block are functions of E.
 2. align: the (token, rank) assignments ``a = t k + j`` sorted by expert (stable), each expert's
    run padded to whole ``BLOCK_M`` blocks, ``sorted_ids[slot] = a`` (sentinel A for padding):
    ``_align_kernel`` in one program up to ``ALIGN_ONE_PROGRAM`` assignments, torch ops beyond.
@@ -20,10 +20,6 @@ the batch (CUDA graphs capture them):
 5. ``_combine_kernel``, per token: ``acc = w_0 y_0``, ``acc += w_j y_j`` in rank order, ``+ scale
    * shared``, in fp32 without contraction (the bits of ``samebits.ops.moe.combine_ordered``
    over torch's CUDA ops), cast once.
-
-Decode (T k <= ``DIRECT_MAX``): two launches with the same bits, ``moe_decode.decode_experts``.
-The GEMM's ROUTE variant routes its token itself (1 + 3: ``_route_row``, the route kernel's own
-code, with the same warps and compile options) and writes the ids and weights.
 
 Invariance: every element of y is ``tl.dot`` over ascending K from zero, the K order fixed by K
 and BLOCK_K alone, so a token's bits depend on its row and its expert's weights -- not on how
@@ -49,9 +45,6 @@ ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (deco
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
 COMBINE_BLOCK = 1024
 _NO_FTZ = {"enable_reflect_ftz": False}
-# Warps of every kernel that routes (``_route_row``): a reduction's order follows the layout,
-# which follows the warps, so the route kernel and the routed GEMM take the same number.
-ROUTE_WARPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +78,14 @@ def num_slots(assignments: int, experts: int, block_m: int) -> int:
 
 # ---- 1. route -------------------------------------------------------------------------------
 @triton.jit
-def _route_row(logits_ptr, row, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-               BLOCK_E: tl.constexpr, RENORM: tl.constexpr, ROUND: tl.constexpr):
-    """Token ``row``'s top-k (weights fp32 [K_POW2], ids int32 [K_POW2]; lanes >= TOP_K zero);
-    depends on its logits alone. Each pick is one max over int64 keys (the probability's bits
-    above ``0xFFFF - id``: unique, so the larger probability wins and equal ones go to the
-    lower id, as ``topk_lowest_id``). The route kernel and the routed gate/up GEMM both call it,
-    launched with ``ROUTE_WARPS`` warps and the same compile options: the same bits."""
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
+                  K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, PDL: tl.constexpr):
+    """Token ``program_id(0)``'s top-k experts and weights; depends on its logits alone. Each
+    pick is one max over int64 keys (the probability's bits above ``0xFFFF - id``: unique, so
+    the larger probability wins and equal ones go to the lower id, as ``topk_lowest_id``)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     raw = tl.load(logits_ptr + row * stride_l + offs, mask=offs < E, other=float("-inf"))
     x = raw.to(tl.float32)
@@ -114,18 +108,6 @@ def _route_row(logits_ptr, row, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.con
         vals = tl.div_rn(vals, tl.zeros([K_POW2], tl.float32) + total)
     if ROUND:
         vals = vals.to(raw.dtype).to(tl.float32)
-    return vals, idxs
-
-
-@triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                  K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                  ROUND: tl.constexpr, PDL: tl.constexpr):
-    """Token ``program_id(0)``'s top-k experts and weights (``_route_row``)."""
-    wait_for_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    vals, idxs = _route_row(logits_ptr, row, E, stride_l, TOP_K, K_POW2, BLOCK_E, RENORM, ROUND)
-    js = tl.arange(0, K_POW2)
     tl.store(ids_ptr + row * TOP_K + js, idxs, mask=js < TOP_K)
     tl.store(w_ptr + row * TOP_K + js, vals, mask=js < TOP_K)
 
@@ -138,17 +120,12 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
-        pdl = programmatic(logits)
-        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), **route_meta(e, top_k),
+        block, pdl = max(16, triton.next_power_of_2(e)), programmatic(logits)
+        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
+                            K_POW2=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block,
                             RENORM=renormalize, ROUND=round_weights, PDL=pdl,
-                            num_warps=ROUTE_WARPS, enable_fp_fusion=FP_FUSION, launch_pdl=pdl,
-                            **_NO_FTZ)
+                            num_warps=1 if block <= 512 else 4, launch_pdl=pdl)
     return weights, ids
-
-
-def route_meta(experts: int, top_k: int) -> dict[str, int]:
-    return {"TOP_K": top_k, "K_POW2": max(2, triton.next_power_of_2(top_k)),
-            "BLOCK_E": max(16, triton.next_power_of_2(experts))}
 
 
 # ---- 2. align -------------------------------------------------------------------------------
@@ -226,17 +203,13 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 # ---- 3, 4. grouped GEMM -----------------------------------------------------------------------
 @triton.jit
 def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride_xm, stride_we,
-                     stride_wn, stride_om, logits_ptr, weights_ptr, E, stride_l,
-                     TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PRECISION: tl.constexpr, ACCURATE: tl.constexpr, ROUTE: tl.constexpr,
-                     K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                     ROUND: tl.constexpr, PDL: tl.constexpr):
+                     stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
+                     PDL: tl.constexpr):
     """GATED: out[a, n] = silu(x[a // k] . w[e, n]) * (x[a // k] . w[e, N + n]) (N = I);
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
-    expert alone (one ascending-K dot from zero). ROUTE (the direct layout, GATED): ``e`` is
-    not read from ``ids`` but routed here from the token's logits by ``_route_row``, and the
-    programs of rank 0 and N-tile 0 write the token's ids and weights."""
+    expert alone (one ascending-K dot from zero)."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -244,17 +217,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
     first = tl.load(sorted_ptr + block * BLOCK_M)
     if first >= A:  # a padding block: this batch routed fewer
         return
-    if ROUTE:
-        token, rank = first // TOP_K, first % TOP_K
-        vals, idxs = _route_row(logits_ptr, token.to(tl.int64), E, stride_l, TOP_K, K_POW2,
-                                BLOCK_E, RENORM, ROUND)
-        js = tl.arange(0, K_POW2)
-        expert = tl.sum(tl.where(js == rank, idxs, 0), 0).to(tl.int64)
-        mine = js < tl.where(rank + pid % n_tiles == 0, TOP_K, 0)  # rank 0, N-tile 0
-        tl.store(ids_ptr + token * TOP_K + js, idxs, mask=mine)
-        tl.store(weights_ptr + token * TOP_K + js, vals, mask=mine)
-    else:
-        expert = tl.load(ids_ptr + first).to(tl.int64)
+    expert = tl.load(ids_ptr + first).to(tl.int64)
     rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < A
     if GATED:  # gate / up read the token's hidden state
@@ -308,15 +271,11 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: to
     blocks, pdl = sorted_ids.numel() // cfg.block_m, programmatic(out)
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
         x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), out, out, 0, 0, GATED=gated, BLOCK_M=cfg.block_m,
+        w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PRECISION=dot_precision(x), ACCURATE=ACCURATE_EXP, ROUTE=False, **route_meta(1, top_k),
-        RENORM=False, ROUND=False, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
-
-
-def dot_precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
+        launch_pdl=pdl, **_NO_FTZ)
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
@@ -359,8 +318,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if not t:
         return out
-    x = unit_stride(x)
-    w13, w2 = unit_stride(w13), unit_stride(w2)
+    x = _unit_stride(x)
+    w13, w2 = _unit_stride(w13), _unit_stride(w2)
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     a = flat.numel()
     up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
@@ -376,5 +335,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
-def unit_stride(t: torch.Tensor) -> torch.Tensor:
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
