@@ -17,27 +17,15 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
-from samebits import LLM, SamplingParams  # noqa: E402
+from samebits import LLM  # noqa: E402
 from samebits.models.parallel import RowParallelLinear  # noqa: E402
+from tests.gpu.test_tp_gpu import OPTIONS, _generate  # noqa: E402
 
 EIGHT_KV = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 512,
             "intermediate_size": 1536, "num_hidden_layers": 3, "num_attention_heads": 16,
             "num_key_value_heads": 8, "head_dim": 32, "max_position_embeddings": 2048,
             "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
             "eos_token_id": 1}
-PROMPTS = [[3 + i] * (5 + 37 * i) for i in range(6)]
-PARAMS = [SamplingParams(max_tokens=24, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
-          for i in range(6)]
-OPTIONS = dict(load_format="dummy", device="cuda", dtype="bfloat16", seed=0, max_num_seqs=8,
-               kv_cache_memory_bytes=1 << 28)
-
-
-def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    try:
-        return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
-                for o in llm.generate(PROMPTS, PARAMS)]
-    finally:
-        llm.engine.runner.shutdown()
 
 
 @pytest.fixture(scope="module")
