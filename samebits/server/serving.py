@@ -84,11 +84,9 @@ class ServingContext:
         ``param`` (the prompt's field) or ``max_tokens_field`` (the wire name of max_tokens)."""
         try:
             check_context_length(len(ids), max_tokens, self.max_model_len, param,
-                                 fits_max_tokens=True)
+                                 fits_max_tokens=True, max_tokens_field=max_tokens_field)
         except ContextLengthError as e:
-            field = max_tokens_field if e.param == "max_tokens" else e.param
-            message = field + str(e).removeprefix(e.param) if field != e.param else str(e)
-            raise APIError(400, message, param=field, code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
