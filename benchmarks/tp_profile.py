@@ -1,6 +1,9 @@
 """Where a tensor-parallel step spends its time on rank 0 (torch.profiler over the CUDA graphs'
 kernels): JSON lines per workload -- wall seconds, the GPU's busy share of the wall, the
-communication share of the GPU's time (NCCL kernels), and the top kernels.
+communication share of the GPU's time (NCCL kernels), and the top kernels; then, in a second
+unprofiled run, rank 0's host seconds inside each part of a step (scheduling, announcing a call to
+the other ranks, the forward or graph replay launch, sampling, postprocessing) against the wall:
+where a step whose GPU idles waits on the host.
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
 """
@@ -11,11 +14,17 @@ import argparse
 import json
 import os
 import time
+from functools import partial
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _summary(prof, wall: float, top: int) -> dict:
@@ -30,27 +39,70 @@ def _summary(prof, wall: float, top: int) -> dict:
                     for e in rows[:top]]}
 
 
+ACTIVITY = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+HOST_PARTS = {"schedule": ("scheduler", "schedule"), "announce": ("runner.peers", "announce"),
+              "forward": ("runner", "_forward"), "replay": ("runner.graphs", "run"),
+              "sample": ("runner", "_sample"), "postprocess": ("", "postprocess")}
+
+
+def _host_seconds(engine, run) -> dict:
+    """Rank 0's host seconds in each of ``HOST_PARTS`` while ``run()`` runs (no device sync:
+    launch and Python time, what a host-bound step is made of)."""
+    totals: dict[str, list] = {}
+    restore = []
+    for part, (path, name) in HOST_PARTS.items():
+        owner = engine
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr, None)
+        if owner is None:
+            continue
+        inner, totals[part] = getattr(owner, name), [0, 0.0]
+
+        def timed(*args, _inner=inner, _total=totals[part], **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _total[0] += 1
+                _total[1] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+        restore.append((owner, name))
+    start = time.perf_counter()
+    try:
+        run()
+        _sync()
+    finally:
+        for owner, name in restore:
+            delattr(owner, name)
+    wall = time.perf_counter() - start
+    return {"wall_s": round(wall, 4)} | {f"{k}_calls": v[0] for k, v in totals.items()} | {
+        f"{k}_share": round(v[1] / wall, 3) for k, v in totals.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="benchmarks/configs/qwen3-8b.json")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
     from samebits import LLM, SamplingParams
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", tensor_parallel_size=args.tp,
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
     vocab = llm.engine.loaded.model_config.vocab_size
     for name, (n, prompt, gen) in WORKLOADS.items():
         prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
-        llm.generate(prompts, params)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        with profile(activities=[ACTIVITY]) as prof:
             start = time.perf_counter()
-            llm.generate(prompts, params)
-            torch.cuda.synchronize()
+            llm.generate(prompts, params, use_tqdm=False)
+            _sync()
             wall = time.perf_counter() - start
         print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
                           "generated": gen} | _summary(prof, wall, args.top)), flush=True)
+        host = _host_seconds(llm.engine, partial(llm.generate, prompts, params, use_tqdm=False))
+        print(json.dumps({"tp": args.tp, "workload": name, "host": host}), flush=True)
     llm.engine.runner.shutdown()
     os._exit(0)
 
