@@ -55,7 +55,9 @@ def test_linear_sum_is_the_tree_sum_of_the_partials(dtype, k, s):
         got = OPS.linear_sum(x, w, kb)
         assert got.dtype == torch.float32 and got.shape == (*lead, 1024)
         assert torch.equal(got, tree_sum(OPS.linear_partials(x, w, kb))), lead
-        assert torch.equal(got.to(dtype), OPS.linear(x, w, k_bounds=kb)), lead
+        if s > 1 or dtype != torch.float32:  # one fp32 segment: linear's plain kernel, whose
+            # bits test_segmented_gpu.py does not claim equal to the split schedule's either
+            assert torch.equal(got.to(dtype), OPS.linear(x, w, k_bounds=kb)), lead
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
