@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.distributed.group import TPGroup
-from samebits.ops.backend import KBounds, OpBackend, bounds, rank_blocks_are_subtrees, tree_sum
+from samebits.ops.backend import KBounds, OpBackend, bounds, rank_blocks_are_subtrees
 
 
 @dataclass(frozen=True)
@@ -167,14 +167,14 @@ class RowParallelLinear(nn.Module):
     def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
         """The S segment partials tree-summed, cast, then the bias: the bits of
         ``ops.linear(x_full, w_full, b, k_bounds)`` on one device. Where this rank's segments
-        are a subtree, it sums them itself and the ranks gather one fp32 sum each; else every
-        partial is gathered."""
-        partials = ops.linear_partials(x, self.weight, self.k_bounds)
+        are a subtree, it sums them itself (``linear_sum``) and the ranks gather one fp32 sum
+        each; else every partial is gathered. ``sum_tree`` adds what was gathered and casts."""
         if self.local_subtree:
-            every = self.group.all_gather(tree_sum(partials).unsqueeze(0))  # [N, ..., H]
+            mine = ops.linear_sum(x, self.weight, self.k_bounds)
+            every = self.group.all_gather(mine.unsqueeze(0))  # [N, ..., H]
         else:
-            every = self.group.all_gather(partials)  # [S, ..., H]
-        out = tree_sum(every).to(x.dtype)
+            every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
+        out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
         return out if self.bias is None else out + self.bias
 
 class VocabParallelEmbedding(nn.Module):

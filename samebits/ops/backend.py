@@ -16,11 +16,12 @@ Segmented K (the row-parallel linears, o_proj and down_proj; ``samebits.models.p
 K segment, each accumulated from zero in the backend's accumulation dtype (fp32; fp64 for fp64
 inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
 partials in the fixed balanced tree order of ``tree_sum``, casts once to x's dtype and then adds
-the bias. ``linear_partials`` returns those partials unsummed. A tensor-parallel rank computes its
-own segments' partials; where the ranks' blocks of S/N segments are subtrees of that tree
-(``rank_blocks_are_subtrees``: N a power of two dividing S, among others) each rank sums its own
-block and the N block sums are tree-summed, else every partial is gathered and tree-summed: either
-way one device and N ranks give the same bits. Invariant backends must honour ``k_bounds``; the
+the bias. ``linear_partials`` returns those partials unsummed, ``linear_sum`` their tree sum
+uncast. A tensor-parallel rank computes its own segments' partials; where the ranks' blocks of S/N
+segments are subtrees of that tree (``rank_blocks_are_subtrees``: N a power of two dividing S,
+among others) each rank sums its own block (``linear_sum``) and the N block sums are tree-summed
+and cast (``sum_tree``), else every partial is gathered and ``sum_tree``'d: either way one device
+and N ranks give the same bits. Invariant backends must honour ``k_bounds``; the
 standard backends ignore it in ``linear`` (stock ``F.linear``: the negative control, not
 TP-invariant).
 """
@@ -90,6 +91,16 @@ class OpBackend(Protocol):
                         ) -> torch.Tensor:
         """The partial product of each K segment, [S, ..., N] in the accumulation dtype: what
         ``linear(x, w, k_bounds=k_bounds)`` adds in ``tree_sum``'s order."""
+        ...
+
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+        """[..., N] in the accumulation dtype: the bits of ``tree_sum(linear_partials(x, w,
+        k_bounds))``, uncast (a tensor-parallel rank's sum of its own segments)."""
+        ...
+
+    def sum_tree(self, partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[S, ..., N] -> [..., N] in ``dtype``: the bits of ``tree_sum(partials).to(dtype)``
+        (the module-level ``sum_tree``); no bias."""
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
@@ -223,6 +234,11 @@ def tree_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     if isinstance(partials, torch.Tensor) and n & (n - 1) == 0:
         return _tree_by_levels(partials)
     return _tree_by_halves(partials, 0, n)
+
+
+def sum_tree(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tree_sum(partials)`` cast once to ``dtype``: ``OpBackend.sum_tree`` in torch."""
+    return tree_sum(partials).to(dtype)
 
 
 def _tree_by_levels(partials: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels, rope
-from samebits.ops.backend import AttentionMetadata, KBounds, check_k_bounds, norm_with_residual, register
+from samebits.ops.backend import (
+    AttentionMetadata,
+    KBounds,
+    check_k_bounds,
+    norm_with_residual,
+    register,
+    sum_tree,
+)
 from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps, SeqLayout
 from samebits.ops.tiles import TILE_M, by_tiles
 
@@ -57,6 +64,17 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torc
     *lead, k = x.shape
     x2 = x.reshape(-1, k).to(_compute_dtype(x.dtype)).contiguous()
     return _partials(x2, w, k_bounds).reshape(len(k_bounds), *lead, w.shape[0])
+
+
+def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """[..., N] in the compute dtype, uncast: the segments' chains tree-summed in the kernel
+    (``linear``'s segmented sum; the bits of ``tree_sum(linear_partials(...))``)."""
+    *lead, k = x.shape
+    n, cdt = w.shape[0], _compute_dtype(x.dtype)
+    check_k_bounds(k_bounds, k)
+    x2 = x.reshape(-1, k).to(cdt).contiguous()
+    out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n, [lo for lo, _ in k_bounds] + [k])
+    return out.reshape(*lead, n)
 
 
 def _partials(x2: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
@@ -206,6 +224,8 @@ class ReferenceBackend(InvariantEncoderOps):
 
     linear = staticmethod(linear)
     linear_partials = staticmethod(linear_partials)
+    linear_sum = staticmethod(linear_sum)
+    sum_tree = staticmethod(sum_tree)
     silu_mul = staticmethod(silu_mul)
     rms_norm = staticmethod(rms_norm)
     qkv_rope_store = staticmethod(qkv_rope_store)

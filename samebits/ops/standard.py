@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import rope
-from samebits.ops.backend import AttentionMetadata, KBounds, norm_with_residual, register
+from samebits.ops.backend import AttentionMetadata, KBounds, norm_with_residual, register, sum_tree, tree_sum
 from samebits.ops.encoder import StandardEncoderOps
 
 
@@ -32,6 +32,12 @@ class StandardBackend(StandardEncoderOps):
         """Stock ``F.linear`` of each segment's columns (a tensor-parallel rank's products)."""
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         return torch.stack([F.linear(x[..., lo:hi], w[:, lo:hi]).to(acc) for lo, hi in k_bounds])
+
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+        """``tree_sum`` of ``linear_partials``."""
+        return tree_sum(self.linear_partials(x, w, k_bounds))
+
+    sum_tree = staticmethod(sum_tree)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:

@@ -56,6 +56,14 @@ class TritonBackend(InvariantEncoderOps):
                         ) -> torch.Tensor:
         return linear.partials(x, w, k_bounds)
 
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+        """The GEMM's partials, then the tree sum kernel into fp32 (two launches)."""
+        return linear.linear_sum(x, w, k_bounds)
+
+    def sum_tree(self, partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One tree sum kernel launch (power-of-two counts), else torch."""
+        return linear.sum_tree(partials, dtype)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:
         """One kernel with the bits of ``F.silu(gate) * up`` (activation.py); gate and up may be

@@ -17,7 +17,9 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
   in torch -- then the bias is added in fp32 and the sum is cast once to the output dtype (with
   ``k_bounds``: cast first, then the bias added in the output dtype, as every backend does for
   segmented K). ``partials`` returns the fp32 partials unsummed (a tensor-parallel rank's
-  share).
+  share), ``linear_sum`` their tree sum in fp32 (a rank's own subtree), and ``sum_tree`` adds
+  given fp32 partials (the ranks' gathered sums) and casts, in ``_sum_partials_kernel``'s one
+  launch where it takes the count.
 
 Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
 change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). With one
@@ -182,6 +184,42 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
     return out.reshape(layout.count, *lead, n)
 
 
+def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """[..., N] fp32: ``tree_sum(partials(x, w, k_bounds))``, uncast (a tensor-parallel rank's
+    sum of its own segments): the GEMM writes the partials, ``_sum_partials_kernel`` adds them
+    into the fp32 output in one launch (``tree_sum`` for counts it does not take)."""
+    *lead, k = x.shape
+    n = w.shape[0]
+    layout = SegmentLayout.from_bounds(k_bounds, k)
+    if layout.count == 1:
+        return partials(x, w, k_bounds)[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = x2.new_empty(m, n, dtype=torch.float32)
+    if m and n:
+        run(x2, w, None, out, segmented_config(m, n, k, x.dtype), layout)
+    return out.reshape(*lead, n)
+
+
+def sum_tree(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, ..., N] -> [..., N] in ``dtype``: ``tree_sum(parts).to(dtype)``. fp32 partials of a
+    count ``tree_kernel_sums`` takes, summed into an fp32 / fp16 / bf16 output: one launch of
+    ``_sum_partials_kernel`` (no host value of the data: CUDA-graph safe); else torch."""
+    segs = parts.shape[0]
+    if (parts.dim() < 2 or parts.dtype != torch.float32 or not tree_kernel_sums(segs)
+            or dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        return tree_sum(parts).to(dtype)
+    parts = parts.contiguous()
+    out = parts.new_empty(parts.shape[1:], dtype=dtype)
+    mn = out.numel()
+    if mn:
+        pp, po = parts.data_ptr(), out.data_ptr()
+        p = _sum_plan(mn, parts.shape[-1], segs, dtype, None, programmatic(parts),
+                      alignment(pp & 15, pp & 15, po & 15))
+        _SUM_PARTIALS(p.key, p.grid, parts, parts, out, *p.tail, **p.options)  # parts: no bias
+    return out
+
+
 def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
         cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None) -> None:
     """Launch with an explicit tile config and segments (a count of uniform segments, or a
@@ -215,11 +253,11 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         direct(p.grid, (px, pw, pb, pt, *p.tail))
     else:
         _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
-    if p.partials and p.sum_in_torch:  # a segment count the tree kernel does not take
+    if p.partials and p.sum is None:  # a segment count the tree kernel does not take
         total = tree_sum(target)
         out.copy_(total if b is None else total + b.float())
     elif p.partials:
-        _SUM_PARTIALS(p.sum_key, p.sum_grid, target, bias, out, *p.sum_tail, **p.sum_options)
+        _SUM_PARTIALS(p.sum.key, p.sum.grid, target, bias, out, *p.sum.tail, **p.sum.options)
 
 
 def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
@@ -246,11 +284,22 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out
 
 
 @dataclasses.dataclass(frozen=True)
+class _SumPlan:
+    """One launch of ``_sum_partials_kernel``: its launch key, grid, the arguments after the
+    three tensors (partials, bias, out) and the launch options."""
+
+    key: int
+    grid: tuple[int, int, int]
+    tail: tuple
+    options: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     """One product's launches, everything but the tensors: the launch key, grid, the arguments
     after the tensors and the launch options of the GEMM kernel (TMA or pointer), and for the
-    split schedule the partial count and the sum kernel's launch (``sum_in_torch``: none, the
-    partials are tree-summed in torch)."""
+    split schedule the partial count and the sum kernel's launch (``sum`` None: the partials are
+    tree-summed in torch)."""
 
     tma: bool
     key: int
@@ -259,11 +308,7 @@ class _Plan:
     options: dict
     blocks: tuple[tuple[int, int], ...] = ()  # TMA: (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K)
     partials: int = 0
-    sum_key: int = 0
-    sum_grid: tuple[int, int, int] = (1, 1, 1)
-    sum_tail: tuple = ()
-    sum_options: dict = dataclasses.field(default_factory=dict)
-    sum_in_torch: bool = False
+    sum: _SumPlan | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -302,15 +347,30 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options)
     if not fresh:
         return plan
-    if segs > TREE_KERNEL_MAX or segs & (segs - 1):
-        return dataclasses.replace(plan, partials=segs, sum_in_torch=True)
+    summed = None
+    if tree_kernel_sums(segs):  # the fresh partials buffer is aligned; align's bits 2, 3: b, out
+        summed = _sum_plan(m * n, n, segs, out_dtype, b_dtype, pdl, 1 | (align >> 2) << 1)
+    return dataclasses.replace(plan, partials=segs, sum=summed)
+
+
+def tree_kernel_sums(segs: int) -> bool:
+    """Whether ``_sum_partials_kernel`` adds ``segs`` partials (a power of two up to
+    ``TREE_KERNEL_MAX``)."""
+    return 0 < segs <= TREE_KERNEL_MAX and segs & (segs - 1) == 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _sum_plan(mn: int, n: int, segs: int, out_dtype: torch.dtype, b_dtype: torch.dtype | None,
+              pdl: bool, align: int) -> _SumPlan:
+    """The tree sum of ``segs`` (``tree_kernel_sums``) contiguous fp32 [MN] partials into an
+    [MN] ``out_dtype`` output whose rows have ``n`` elements (``b_dtype`` None: no bias);
+    ``align``: the 16-byte alignment bits of the partials, the bias and out (``alignment``)."""
     block = max(128, min(1024, 8192 // segs))  # the [segs, block] tile stays in registers
-    return dataclasses.replace(
-        plan, partials=segs,
-        sum_key=_SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align >> 2, wide,
-                                      (m * n) % 16 == 0, m * n == 1)),  # MN is specialized
-        sum_grid=(triton.cdiv(m * n, block), 1, 1), sum_tail=(m * n, n, segs, has_bias, block, pdl),
-        sum_options=dict(num_warps=4, launch_pdl=pdl))
+    key = _SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align, mn >= 2 ** 31,
+                                mn % 16 == 0, mn == 1))  # MN is specialized
+    return _SumPlan(key, (triton.cdiv(mn, block), 1, 1),
+                    (mn, n, segs, b_dtype is not None, block, pdl),
+                    dict(num_warps=4, launch_pdl=pdl))
 
 
 def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
