@@ -23,20 +23,19 @@ from typing import Any
 from samebits.engine.engine import LLMEngine
 from samebits.pooling_params import PoolingParams
 from samebits.sampling_params import SamplingParams
-from samebits.server.engine_core import (
+from samebits.server.core_messages import (
     IDLE_CHECK_S,
-    NOT_RUNNING,
     Abort,
     AddGroup,
     Admitted,
     CoreOutputs,
     CoreStats,
     Delta,
-    EngineCore,
     Stop,
     UpdateWeights,
     WeightsUpdated,
 )
+from samebits.server.engine_core import NOT_RUNNING, EngineCore
 from samebits.server.engine_process import EngineProcess, model_bytes
 from samebits.server.metrics import Metrics
 

@@ -1,11 +1,12 @@
 """The engine core: the one owner of an ``LLMEngine`` in the server, stepping it in a busy loop.
 
-It takes commands (``AddGroup``, ``Abort``, ``UpdateWeights``, ``Stop``) from an ``Inbox`` and
-hands back one ``CoreOutputs`` per loop turn: admission replies first (before the step, so a
-caller waits for no step to learn its seed or its 400), then every request's new tokens of the
-step, then the turn's statistics for the metrics. The same loop runs in a thread of the server
-process or in a process of its own (samebits.server.engine_process); nothing it sends depends on
-which, and nothing here can change a bit of what the engine computes.
+It takes commands (``AddGroup``, ``Abort``, ``UpdateWeights``, ``Stop``; the messages are
+samebits.server.core_messages) from an ``Inbox`` and hands back one ``CoreOutputs`` per loop turn:
+admission replies first (before the step, so a caller waits for no step to learn its seed or its
+400), then every request's new tokens of the step, then the turn's statistics for the metrics. The
+same loop runs in a thread of the server process or in a process of its own
+(samebits.server.engine_process); nothing it sends depends on which, and nothing here can change a
+bit of what the engine computes.
 
 Once a step fails, or a tensor-parallel rank's process dies (an idle core looks at its engine
 every ``IDLE_CHECK_S``), the core fails the requests it holds with the reason (naming the rank),
@@ -21,142 +22,32 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from samebits.engine.engine import EngineStats, LLMEngine
 from samebits.engine.executor import RankFailedError
 from samebits.engine.fanout import seed_requests
 from samebits.engine.pooling import PoolingOutput, PoolingSequence
 from samebits.engine.sequence import Sequence, SequenceStatus
-from samebits.outputs import CompletionOutput, PromptLogprobs
 from samebits.pooling_params import PoolingParams
-from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
+from samebits.server.core_messages import (
+    Abort,
+    AddGroup,
+    Admitted,
+    CoreOutputs,
+    CoreStats,
+    Delta,
+    Inbox,
+    Stop,
+    UpdateWeights,
+    WeightsUpdated,
+)
 
 log = logging.getLogger("samebits.server")
 NOT_RUNNING = "the engine loop is not running"
-IDLE_CHECK_S = 1.0  # the most an idle core waits for a command before it checks its engine
-
-
-# ---- commands (server -> core) ----------------------------------------------------------------
-@dataclass(frozen=True)
-class AddGroup:
-    """An HTTP request's engine requests, admitted all or nothing (replied with ``Admitted``)."""
-
-    group_id: int
-    request_ids: list[str]
-    prompts: list[list[int]]
-    params: list[SamplingParams | PoolingParams]  # the request's, unseeded per candidate
-    seed_offsets: list[int]  # candidate index: request j is seeded choice_seed(seed, this)
-    stream: bool  # a Delta every step, not only the last
-    cache_salt: str | None
-    score_only: bool
-    arrival: float  # time.monotonic() at arrival (one clock for every process of the machine)
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_ids: list[str]  # finished or unknown ids are ignored
-
-
-@dataclass(frozen=True)
-class UpdateWeights:
-    call_id: int
-    tensors: list  # (HF name, tensor) pairs
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-# ---- what the core hands back (core -> server) ------------------------------------------------
-@dataclass(frozen=True)
-class Delta:
-    """New tokens of one engine request; ``output`` is set on its last delta."""
-
-    index: int  # the request's position in its group
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    output: CompletionOutput | PoolingOutput | None = None  # the request's result (one choice)
-    error: str | None = None  # the engine failed; the request is gone
-    text: str = ""  # new output text a stream may send (engine.output_processor.stream_text)
-    error_status: int = 500  # with ``error``: 400 when the request's own input made it fail
-    cached_tokens: int = 0  # with ``output``: prompt tokens read from the prefix cache
-    # when asked for: with ``output``, and on a stream's first delta (the prompt is scored
-    # before the first token is sampled)
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-@dataclass(frozen=True)
-class Admitted:
-    group_id: int
-    seeds: list[int] | None  # per request; None when ``error`` refused the group
-    error: Exception | None = None
-    seed: int | None = None  # the request's seed, given or drawn (engine.fanout)
-
-
-@dataclass(frozen=True)
-class WeightsUpdated:
-    call_id: int
-    fingerprint: str | None
-    error: Exception | None = None
-
-
-@dataclass
-class CoreStats:
-    """What the metrics need from one loop turn (counts since the previous turn)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    batch_sizes: list[int] = field(default_factory=list)  # sequences that progressed, per step
-    prompt_tokens: int = 0  # admitted
-    generation_tokens: int = 0
-    finished: Counter = field(default_factory=Counter)  # engine requests by finish reason
-    ttft: list[float] = field(default_factory=list)  # arrival -> first token, seconds
-    itl: list[float] = field(default_factory=list)  # between two tokens of one request
-    e2e: list[float] = field(default_factory=list)  # arrival -> finish, per engine request
-    queue_time: list[float] = field(default_factory=list)  # arrival -> first scheduled
-    prefill_time: list[float] = field(default_factory=list)  # first scheduled -> first token
-    decode_time: list[float] = field(default_factory=list)  # first token -> finish
-    inference_time: list[float] = field(default_factory=list)  # first scheduled -> finish
-    iteration_tokens: list[int] = field(default_factory=list)  # tokens each step ran
-    preemptions: int = 0
-    dequeued: int = 0  # requests that left the queue (running, finished, refused or aborted)
-    canary_checks: int = 0
-    canary_mismatches: int = 0
-    canary_dropped: int = 0
-    error: str | None = None  # set once a step has failed: the core takes no new work
-
-
-# a streamed request's progress in one step: (request id, token ids, logprobs, top logprobs,
-# its new output text, its prompt logprobs: on its first row only, when asked for)
-TokenRow = tuple[str, list[int], list[float], list[dict[int, float]], str, PromptLogprobs | None]
-
-
-@dataclass
-class CoreOutputs:
-    replies: list[Admitted | WeightsUpdated] = field(default_factory=list)
-    tokens: list[TokenRow] = field(default_factory=list)  # streamed requests that go on
-    last: list[tuple[str, Delta]] = field(default_factory=list)  # (request id, its last delta)
-    stats: CoreStats = field(default_factory=CoreStats)
-
-    def __bool__(self) -> bool:
-        return bool(self.replies or self.tokens or self.last)
-
-
-class Inbox(Protocol):
-    def get(self, block: bool) -> Any:
-        """The next command, or None when none waits (``block``: wait for one, at most
-        ``IDLE_CHECK_S``)."""
-
-    def pending(self) -> bool:
-        """Whether a command waits."""
 
 
 class _Tally:

@@ -37,7 +37,8 @@ from samebits.engine.engine import LLMEngine
 from samebits.engine.grammar import GrammarCompiler
 from samebits.llm_options import loaded_with_tokenizer
 from samebits.models.parallel import full_bytes
-from samebits.server.engine_core import IDLE_CHECK_S, CoreOutputs, EngineCore, Stop
+from samebits.server.core_messages import IDLE_CHECK_S, CoreOutputs, Stop
+from samebits.server.engine_core import EngineCore
 from samebits.text.tokenizer import Tokenizer
 
 log = logging.getLogger("samebits.server")

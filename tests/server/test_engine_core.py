@@ -15,15 +15,8 @@ from samebits import LLM
 from samebits.config import EngineConfig
 from samebits.engine.engine import LLMEngine
 from samebits.sampling_params import SamplingParams
-from samebits.server.engine_core import (
-    Abort,
-    AddGroup,
-    Admitted,
-    CoreOutputs,
-    Delta,
-    EngineCore,
-    Stop,
-)
+from samebits.server.core_messages import Abort, AddGroup, Admitted, CoreOutputs, Delta, Stop
+from samebits.server.engine_core import EngineCore
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
