@@ -27,9 +27,9 @@ from samebits.engine.output_processor import OutputProcessor
 from samebits.engine.pooling import PoolingSequence, pooling_sequence
 from samebits.engine.pooling_runner import pooling_runner
 from samebits.engine.request_error import RequestError
-from samebits.engine.runner import ScoredSpan, StepResult
 from samebits.engine.scheduler import ScheduledBatch, Scheduler
 from samebits.engine.sequence import Sequence
+from samebits.engine.step import ScoredSpan, StepResult
 from samebits.loader import LoadedModel, numerics_fingerprint, updated_digest
 from samebits.log import get_logger
 from samebits.models.weights import update_weights

@@ -21,8 +21,9 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.engine.pooling import PoolingSequence
-from samebits.engine.runner import ModelRunner, StepResult
+from samebits.engine.runner import ModelRunner
 from samebits.engine.scheduler import ScheduledBatch
+from samebits.engine.step import StepResult
 from samebits.loader.pooling import LoadedPoolingModel, load_pooling_model
 from samebits.models.pooler import Pooler
 from samebits.models.registry import architecture

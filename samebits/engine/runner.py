@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -24,91 +23,15 @@ from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
-from samebits.engine.request_error import RequestError
+from samebits.engine.readback import ranks_of, read_tokens, row_top, start_read, top_of
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
-from samebits.engine.transfer import to_device, to_host_later
+from samebits.engine.step import AheadStep, ForwardInputs, Peers, ScoredSpan, StepInputs, StepResult
+from samebits.engine.transfer import to_device
 from samebits.loader import LoadedModel
 from samebits.models.weights import WeightMap, update_weights
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
-
-
-class Peers(Protocol):
-    """Rank 0's handle on ranks 1..N-1 (``samebits.engine.executor.Ranks``)."""
-
-    def announce(self, op: str, *args: Any) -> None: ...
-
-    def guard(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def check(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def hold_graphs(self, graphs: DecodeGraphs) -> None: ...
-
-
-@dataclass
-class ForwardInputs:
-    """One eager forward's inputs as plain Python (what rank 0 sends the other ranks)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    seq_lens: list[int]
-    query_start_loc: list[int]
-    block_tables: list[list[int]]
-
-
-@dataclass
-class StepInputs:
-    forward: ForwardInputs
-    sample_rows: list[int]  # flat token row of each sequence that gets a new token
-    sample_seqs: list[Sequence]
-    score_rows: list[int]  # flat token rows of prompt positions whose next token is scored
-    score_spans: list[tuple[Sequence, int, int]]  # (seq, first position, count), score_rows order
-
-
-@dataclass
-class ScoredSpan:
-    """Prompt logprobs of one span of positions: the next token's logprob at each, and for
-    requests asking for prompt logprobs its rank and the top-k (empty lists otherwise)."""
-
-    logprobs: list[float]
-    ranks: list[int]
-    top: list[dict[int, float]]
-
-
-@dataclass
-class StepResult:
-    sampled: list[Sequence]  # the sequences that got a new token, in order
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    scored: list[ScoredSpan]  # one per score span, in StepInputs.score_spans order
-    # per sampled row asking for logprobs, its token's rank in the raw distribution (else None)
-    ranks: list[int | None] = field(default_factory=list)
-    failed: dict[str, RequestError] = field(default_factory=dict)  # by request id: why it failed
-
-
-@dataclass
-class AheadStep:
-    """A decode step launched before its predecessor's tokens were read (async scheduling): the
-    predecessor's sequences at their next positions, input ids taken on the device from its
-    sampled tokens. It stands for the next step only if that step is these sequences at these
-    positions and slots and every token it read was final (``valid``); otherwise its work is
-    dropped, and the KV it wrote at those slots is rewritten before anything reads it (the next
-    step that computes those positions writes them again)."""
-
-    seqs: list[Sequence]
-    batch: DecodeBatch
-    hidden: torch.Tensor
-    valid: bool = True
-
-    def serves(self, seqs: list[Sequence], batch: DecodeBatch) -> bool:
-        return (self.valid and len(seqs) == len(self.seqs)
-                and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
-                and batch.positions == self.batch.positions and batch.slots == self.batch.slots)
 
 
 class ModelRunner:
@@ -374,7 +297,7 @@ class ModelRunner:
                                        [len(s.output_token_ids) for s in seqs])
         ks = [s.params.logprobs or 0 for s in seqs]
         tops = [logprobs[i].topk(k) for i, k in enumerate(ks) if k]  # per row: a row's own bits
-        read = _start_read(pending.tokens, logprobs, [t for top in tops for t in top])
+        read = start_read(pending.tokens, logprobs, [t for top in tops for t in top])
         if decode is not None:
             self._launch_ahead(seqs, decode, pending.tokens)
         tokens, values, extra = read()
@@ -382,11 +305,11 @@ class ModelRunner:
             if self.ahead is not None:
                 self.ahead.valid = False  # it read those rows as token 0
             tokens = pending.complete(tokens)
-            values = _read_tokens(to_device(tokens, torch.int64, self.device), logprobs)[1]
+            values = read_tokens(to_device(tokens, torch.int64, self.device), logprobs)[1]
         result.sampled, result.tokens, result.logprobs = seqs, tokens, values
         pairs = iter(zip(extra[0::2], extra[1::2], strict=True))  # (values, ids) of each top
-        result.top_logprobs = [_top(*next(pairs)) if k else {} for k in ks]
-        result.ranks = _ranks(logprobs, values, [s.params.logprobs is not None for s in seqs])
+        result.top_logprobs = [top_of(*next(pairs)) if k else {} for k in ks]
+        result.ranks = ranks_of(logprobs, values, [s.params.logprobs is not None for s in seqs])
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
@@ -412,7 +335,7 @@ class ModelRunner:
                 draws += kinds
             for params in draws:
                 pending = sampler.start_sample(logits, [params] * size, [0] * size, [0] * size)
-                pending.complete(_read_tokens(pending.tokens, logprobs)[0])
+                pending.complete(read_tokens(pending.tokens, logprobs)[0])
 
     def _score(self, inputs: StepInputs, result: StepResult) -> None:
         """Logprob of token p+1 given tokens [0, p], for each scored position p: log_softmax of the
@@ -432,7 +355,7 @@ class ModelRunner:
                 k = seq.params.prompt_logprobs
                 if k is not None:
                     span.ranks = (block >= picked).sum(dim=1).tolist()
-                    span.top = [_row_top(r, k) for r in block]
+                    span.top = [row_top(r, k) for r in block]
             result.scored.append(span)
             row += count
 
@@ -482,54 +405,3 @@ class ModelRunner:
         if kv_cache:
             self.kv_caches = self._new_kv_caches()
             self.graphs = self._new_graphs()
-
-def _start_read(tokens: torch.Tensor, logprobs: torch.Tensor, extra: list[torch.Tensor] = ()
-                ) -> Callable[[], tuple[list[int], list[float], list[list[float]]]]:
-    """Queue the copy to the host of token ids [B] (negative ids read as such), each row's
-    logprob of its token and the 1-D ``extra`` tensors, in one transfer (ints < 2**53 and fp32
-    values are exact in fp64); the returned function waits for it and gives (ids, logprobs,
-    each extra as a list). Work queued after it (a step launched ahead) does not delay the read
-    (``to_host_later``)."""
-    chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
-    parts = [tokens, chosen, *extra]
-    read = to_host_later(torch.cat([t.double() for t in parts]))
-    sizes = [t.numel() for t in parts]
-    return lambda: _split(read(), sizes)
-
-
-def _read_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    return _start_read(tokens, logprobs)()[:2]
-
-
-def _split(values: list[float], sizes: list[int]) -> tuple[list[int], list[float],
-                                                          list[list[float]]]:
-    parts, start = [], 0
-    for n in sizes:
-        parts.append(values[start:start + n])
-        start += n
-    return [int(t) for t in parts[0]], parts[1], parts[2:]
-
-
-def _top(values: list[float], ids: list[float]) -> dict[int, float]:
-    """A row's ``topk`` as read: the k most likely tokens and their logprobs (OpenAI's
-    top_logprobs)."""
-    return dict(zip((int(i) for i in ids), values, strict=True))
-
-
-def _row_top(row: torch.Tensor, k: int) -> dict[int, float]:
-    if not k:
-        return {}
-    values, ids = row.topk(k)
-    return _top(values.tolist(), ids.tolist())
-
-
-def _ranks(logprobs: torch.Tensor, values: list[float], wanted: list[bool]) -> list[int | None]:
-    """Each wanted row's rank of its sampled token: how many tokens have a logprob >= its own
-    (exact: ``values`` are the row's fp32 values), read in one transfer; None elsewhere."""
-    rows = [i for i, w in enumerate(wanted) if w]
-    if not rows:
-        return [None] * len(wanted)
-    index = torch.tensor(rows, device=logprobs.device)
-    chosen = torch.tensor([values[i] for i in rows], dtype=logprobs.dtype, device=logprobs.device)
-    counts = iter((logprobs[index] >= chosen[:, None]).sum(dim=1).tolist())
-    return [next(counts) if w else None for w in wanted]

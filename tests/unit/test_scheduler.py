@@ -275,7 +275,7 @@ def _bare_engine(sched: Scheduler):
 def _fake_step_result(batch: ScheduledBatch):
     """What the runner returns, with 'logprob of token p+1' faked as float(p + 1) and a sampled
     token 7 (logprob -1.0) for each generating sequence whose prefill completes."""
-    from samebits.engine.runner import ScoredSpan, StepResult
+    from samebits.engine.step import ScoredSpan, StepResult
     result = StepResult([], [], [], [], [])
     for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start = s.num_computed_tokens
