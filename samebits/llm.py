@@ -21,6 +21,7 @@ from samebits.engine.fanout import best, candidates, request_seed
 from samebits.engine.pooling import PoolingSequence, embedding_inputs
 from samebits.engine.sequence import Sequence
 from samebits.llm_options import (
+    check_chunked_prefill,
     check_options,
     engine_options,
     loaded_with_tokenizer,
@@ -65,6 +66,7 @@ class LLM:
         check_options(model, quantization, trust_remote_code, kwargs)
         model = local_model(model, revision, download_dir)
         self.config = EngineConfig(model=model, **engine_options(kwargs))
+        check_chunked_prefill(kwargs, self.config)
         self.enable_sleep_mode = enable_sleep_mode
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizer | None = None

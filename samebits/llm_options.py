@@ -49,20 +49,17 @@ def check_options(model: str | None, quantization: str | None, trust_remote_code
 
 
 def engine_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without the ``NO_EFFECT`` options, each logged once (with its reason).
-    ``enable_chunked_prefill=False`` is refused in the standard mode, where a prompt's chunking
-    can change its bits and samebits would not honour it."""
-    _check_chunked_prefill(kwargs)
+    """``kwargs`` without the ``NO_EFFECT`` options, each logged once (with its reason)."""
     for name in sorted(set(kwargs) & set(NO_EFFECT) - _said_no_effect):
         _said_no_effect.add(name)
         log.info("%s is accepted and changes nothing: %s", name, NO_EFFECT[name])
     return {k: v for k, v in kwargs.items() if k not in NO_EFFECT}
 
 
-def _check_chunked_prefill(kwargs: dict[str, Any]) -> None:
-    invariant = kwargs.get("batch_invariant", EngineConfig.__dataclass_fields__[
-        "batch_invariant"].default_factory())
-    if kwargs.get("enable_chunked_prefill", True) is False and not invariant:
+def check_chunked_prefill(kwargs: dict[str, Any], config: EngineConfig) -> None:
+    """``enable_chunked_prefill=False`` is refused in the standard mode, where a prompt's
+    chunking can change its bits and samebits (which always chunks) would not honour it."""
+    if kwargs.get("enable_chunked_prefill", True) is False and not config.batch_invariant:
         raise ValueError("enable_chunked_prefill=False is not supported with "
                          "batch_invariant=False: samebits chunks every prompt longer than "
                          "max_num_batched_tokens, and in the standard mode the chunking can "

@@ -215,6 +215,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise ``RankFailedError`` naming a tensor-parallel rank whose process died."""
+        self.runner.check_health()
+
     def stats(self) -> EngineStats:
         sched, pool = self.scheduler, self.kv.pool
         return EngineStats(len(sched.running), len(sched.waiting), pool.num_blocks,

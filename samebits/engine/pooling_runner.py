@@ -90,6 +90,9 @@ class EncoderRunner:
     def discard_ahead(self) -> None:
         """Nothing runs ahead of a step here."""
 
+    def check_health(self) -> None:
+        """One process, no tensor-parallel ranks: nothing can have died."""
+
     def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """One device: ``update_weights`` already wrote every weight."""
 
@@ -129,6 +132,9 @@ class DecoderPoolingRunner:
 
     def discard_ahead(self) -> None:
         self.runner.discard_ahead()
+
+    def check_health(self) -> None:
+        self.runner.check_health()
 
     def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
         self.runner.weights_updated(items)

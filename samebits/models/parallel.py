@@ -177,6 +177,7 @@ class RowParallelLinear(nn.Module):
         out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
         return out if self.bias is None else out + self.bias
 
+
 class VocabParallelEmbedding(nn.Module):
     """Token ids -> rows of the embedding table; a rank holds its vocab segments' rows."""
 

@@ -242,11 +242,10 @@ class EngineCore:
         """Whether the engine has just turned out unable to run (a tensor-parallel rank's
         process died while the core was idle): then it fails, naming the rank, and takes no new
         work."""
-        check = getattr(self.engine.runner, "check_health", None)  # pooling runners: no ranks
-        if self._error is not None or check is None:
+        if self._error is not None:
             return False
         try:
-            check()
+            self.engine.check_health()
         except RankFailedError as e:
             log.error("%s; taking no new work", e)
             self._fail_all(f"{e}; restart the server")

@@ -244,12 +244,14 @@ class _VLLM:
                                    "preemption from the engine.")
         self.iteration_tokens = one(Histogram, "vllm:iteration_tokens_total", "Histogram of "
                                     "number of tokens per engine_step.", buckets=tokens)
-        phases = (("queue_time", "request_queue_time_seconds", "in WAITING phase"),
-                  ("inference_time", "request_inference_time_seconds", "in RUNNING phase"),
-                  ("prefill_time", "request_prefill_time_seconds", "in PREFILL phase"),
-                  ("decode_time", "request_decode_time_seconds", "in DECODE phase"))
-        for attr, name, phase in phases:
-            setattr(self, attr, one(Histogram, f"vllm:{name}", f"Histogram of time spent {phase} "
-                                    "for request.", buckets=_LATENCY_BUCKETS))
+
+        def phase(name: str, what: str) -> Any:
+            return one(Histogram, f"vllm:request_{name}_time_seconds", f"Histogram of time spent "
+                       f"{what} phase for request.", buckets=_LATENCY_BUCKETS)
+
+        self.queue_time = phase("queue", "in WAITING")
+        self.inference_time = phase("inference", "in RUNNING")
+        self.prefill_time = phase("prefill", "in PREFILL")
+        self.decode_time = phase("decode", "in DECODE")
         self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine "
                                   "CacheConfig", ["block_size", "num_gpu_blocks"], registry=r)
