@@ -47,7 +47,7 @@ def _parts(s: int, lead: tuple[int, ...], n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,s", [(1024, 1), (1024, 2), (1000, 3), (4096, 4), (4096, 8),
-                                 (12288, 8), (200, 8)])
+                                 (12288, 8), (200, 8), (2048, 4), (12800, 4)])
 def test_linear_sum_is_the_tree_sum_of_the_partials(dtype, k, s):
     kb = row_parallel_bounds(k, s)
     for lead in LEADS:

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from samebits.ops import reference  # noqa: E402
-from samebits.ops.backend import AttentionMetadata, tree_sum  # noqa: E402
+from samebits.ops.backend import AttentionMetadata, row_parallel_bounds, tree_sum  # noqa: E402
 
 _MODULES = ["activation", "attention_kernels", "attention", "gumbel", "linear_kernels", "linear",
             "rms_norm", "rope",
@@ -95,6 +95,44 @@ def test_linear_segments_are_tree_summed_with_the_bias_then_cast(segs) -> None:
     L.run(h, w.half(), None, parts, CFG, layout)
     assert torch.equal(_lin(h, w.half(), b.half(), segs=layout), (tree_sum(parts) + b.half()
                                                                   .float()).half())
+
+
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_segmented_tiles_take_a_block_k_that_divides_every_segment(m: int) -> None:
+    """Qwen3-32B's down_proj at TP 2: 4 segments of 3200 columns (12.5 steps of 256). The tile
+    policy narrows BLOCK_K until every segment is whole steps (unmasked, vectorized loads)."""
+    layout = L.SegmentLayout.from_bounds(row_parallel_bounds(12800, 4), 12800)
+    assert not layout.even(12800, 256)
+    cfg = L.segmented_config(m, 5120, 12800, torch.bfloat16, layout)
+    assert layout.even(12800, cfg.block_k) and cfg.block_k >= 64
+    even = L.SegmentLayout.from_bounds(row_parallel_bounds(6144, 4), 6144)  # 8B: already even
+    assert L.segmented_config(m, 4096, 6144, torch.bfloat16, even).block_k == \
+        (L.SEGMENTED_TILE if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
+                                                                 torch.bfloat16)).block_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter's bf16 dot
+@pytest.mark.parametrize("segs", [2, 4, 8])  # is not a product (tests/gpu covers bf16)
+def test_fused_segment_tree_equals_the_split_schedule(dtype: torch.dtype, segs: int) -> None:
+    """Up to SPLIT_MAX_M rows, even power-of-two segments are tree-summed in registers by one
+    program per tile; its bits are the split schedule's (partials, then the sum kernel) for
+    linear (bias in fp32, one cast) and linear_sum, whatever the row count."""
+    torch.manual_seed(segs)
+    k = 64 * segs
+    x = (torch.randn(70, k) * torch.logspace(0, 2, k)).to(dtype)
+    w, b = (torch.randn(40, k) / 16).to(dtype), torch.randn(40).to(dtype)
+    layout = L.SegmentLayout(segs, 64)
+    parts = torch.empty(segs, 70, 40)
+    L.run(x, w, None, parts, CFG, layout)  # keep: the split schedule's partials
+    want = (tree_sum(parts) + b.float()).to(dtype)
+    for m in (1, 5, 16, 33):
+        assert torch.equal(_lin(x[:m], w, b, segs=layout), want[:m]), m
+    assert torch.equal(_lin(x, w, b, segs=layout), want)  # 70 rows: the split schedule
+    bounds = tuple((s * 64, s * 64 + 64) for s in range(segs))
+    assert torch.equal(L.linear_sum(x[:7], w, bounds), tree_sum(parts[:, :7]))
+    chain = torch.empty(1, 70, 40)
+    L.run(x, w, None, chain, CFG, 1)  # one K chain: other bits
+    assert not torch.equal(chain[0], tree_sum(parts))
 
 
 def test_linear_public_api() -> None:

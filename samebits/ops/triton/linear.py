@@ -10,7 +10,10 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
   ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
-- More than one segment: one program per (output tile, segment) writes the segment's fp32
+- More than one segment, up to ``SPLIT_MAX_M`` rows, a power of two up to ``FUSED_MAX_SEGS``
+  even segments: one program per output tile computes every segment's partial and adds them in
+  the tree order below in registers (the fused schedule: the same adds, no partials buffer, one
+  launch). Otherwise one program per (output tile, segment) writes the segment's fp32
   partial to an [S, M, N] buffer (the split schedule), and the partials are added in
   ``samebits.ops.backend.tree_sum``'s balanced tree order -- by ``_sum_partials_kernel`` (pairs,
   then pairs of pairs) when S is a power of two up to ``TREE_KERNEL_MAX``, else by ``tree_sum``
@@ -41,6 +44,8 @@ from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, progra
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
 SPLIT_MAX_M = 64  # above this many rows, a segment's program takes SEGMENTED_TILE
+MIN_BLOCK_K, MAX_STAGES = 32, 8  # the smallest BLOCK_K and most stages a segmented tile takes
+FUSED_MAX_SEGS = 8  # up to M = SPLIT_MAX_M, this many even segments are tree-summed in registers
 TREE_KERNEL_MAX = 64  # the most segments _sum_partials_kernel adds (a power of two)
 PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
 
@@ -116,11 +121,21 @@ def segment_len(k: int, n: int) -> int:
     return -(-k // (s * SEGMENT_ALIGN)) * SEGMENT_ALIGN
 
 
-def segmented_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The tile of the split schedule's programs (free to vary: it does not change the bits)."""
-    if m > SPLIT_MAX_M and dtype != torch.float32:
-        return SEGMENTED_TILE  # pick_config's large tiles are the TMA kernel's
-    return pick_config(m, n, k, dtype)
+def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: SegmentLayout
+                     ) -> GemmConfig:
+    """The tile of the split schedule's programs (free to vary: it does not change the bits),
+    with the largest BLOCK_K up to the tile's own that makes ``layout`` even: a segment that is
+    not a whole number of BLOCK_K steps takes masked loads the compiler cannot vectorize (several
+    times slower; e.g. Qwen3-32B's down_proj at TP 2, 3200 columns a segment)."""
+    cfg = SEGMENTED_TILE if m > SPLIT_MAX_M and dtype != torch.float32 else \
+        pick_config(m, n, k, dtype)  # pick_config's large tiles are the TMA kernel's
+    block_k = cfg.block_k
+    while not layout.even(k, block_k) and block_k > MIN_BLOCK_K:
+        block_k //= 2
+    if block_k == cfg.block_k or not layout.even(k, block_k):
+        return cfg
+    stages = min(MAX_STAGES, cfg.num_stages * cfg.block_k // block_k)  # the same bytes in flight
+    return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -162,7 +177,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             run(x2, w, b, out)
         return out if flat else out.reshape(*x.shape[:-1], n)
     segments = SegmentLayout.from_bounds(k_bounds, k)
-    cfg = segmented_config(m, n, k, x.dtype) if segments.count > 1 else None
+    cfg = segmented_config(m, n, k, x.dtype, segments) if segments.count > 1 else None
     if m and n:
         run(x2, w, None, out, cfg, segments)
     if b is not None:
@@ -180,7 +195,7 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
     layout = SegmentLayout.from_bounds(k_bounds, k)
     out = x.new_empty(layout.count, m, n, dtype=torch.float32)
     if m and n:
-        run(x2, w, None, out, segmented_config(m, n, k, x.dtype), layout)
+        run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
     return out.reshape(layout.count, *lead, n)
 
 
@@ -197,7 +212,7 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Ten
     m = x2.shape[0]
     out = x2.new_empty(m, n, dtype=torch.float32)
     if m and n:
-        run(x2, w, None, out, segmented_config(m, n, k, x.dtype), layout)
+        run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
     return out.reshape(*lead, n)
 
 
@@ -329,18 +344,20 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
                                                       contiguous):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
-    split = keep or segs > 1
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     even = layout.even(k, cfg.block_k)
+    fused = not keep and 1 < segs <= FUSED_MAX_SEGS and tree_kernel_sums(segs) and even and \
+        m <= SPLIT_MAX_M  # one program per tile walks every segment (small tiles: few registers)
+    split = keep or (segs > 1 and not fused)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     rows_aligned = bool(align & 2) and (stride_w * w_dtype.itemsize) % 16 == 0
     prefetch = cfg.prefetch if pdl and not split and rows_aligned else 0  # bulk prefetch: 16 B
     fresh = split and not keep  # the partials go to a new [S, M, N] fp32 buffer
     t_dtype, t_stride = (torch.float32, n) if fresh else (out_dtype, stride_o)
     t_align = align | 8 if fresh else align
     key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, b_dtype, n, k, stride_x, stride_w,
-                          t_stride, layout, split, cfg, even, pdl, prefetch, t_align, wide))
+                          t_stride, layout, split, fused, cfg, even, pdl, prefetch, t_align, wide))
     tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, split,
-            has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+            segs if fused else 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
             even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
             cfg.num_warps * 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)

@@ -52,6 +52,38 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
 
 
 @triton.jit
+def _segment_tree(x_ptr, w_ptr, offs_m, offs_n, SEG_BASE, K, stride_xm, stride_wn,
+                  NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``tree_sum`` of the fp32 partials of NUM_SEGS (a power of two up to 8) even segments of
+    SEG_BASE columns, in registers: segment s's partial is added to the completed subtrees that
+    the trailing one bits of s name, left + right (pairs, then pairs of pairs): the binary-counter
+    form of the balanced tree, the very adds ``_sum_partials_kernel`` makes."""
+    level0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    level1 = level0
+    level2 = level0
+    total = level0
+    for s in tl.static_range(NUM_SEGS):
+        k_lo, k_hi = _segment_range(s, SEG_BASE, 0, K, True)
+        v = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION)
+        if s % 2 == 0:
+            level0 = v
+        else:
+            v = level0 + v
+            if s % 4 == 1:
+                level1 = v
+            else:
+                v = level1 + v
+                if s % 8 == 3:
+                    level2 = v
+                else:
+                    v = level2 + v
+        total = v
+    return total
+
+
+@triton.jit
 def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: tl.constexpr,
                    THREADS: tl.constexpr):
     """Ask L2 for the first ``BYTES`` of weight rows [first, first + BLOCK_N) (rows past N
@@ -72,13 +104,17 @@ def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])  # one compile serves every row count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   stride_ps, SEG_BASE, SEG_EXTRA, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   stride_ps, SEG_BASE, SEG_EXTRA, SPLIT: tl.constexpr, NUM_SEGS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr):
-    """out = x @ w.T (+ b) over all of K (one segment), or with SPLIT=True the fp32 partial of K
+    """out = x @ w.T (+ b) over all of K (one segment); with SPLIT=True the fp32 partial of K
     segment ``program_id(1)`` (SEG_BASE, SEG_EXTRA: linear.py's ``SegmentLayout``) written to
-    ``out_ptr + seg * stride_ps``, left for ``_sum_partials_kernel`` (no bias then).
+    ``out_ptr + seg * stride_ps``, left for ``_sum_partials_kernel`` (no bias then); with
+    NUM_SEGS > 1 and not SPLIT, every one of NUM_SEGS even segments, tree-summed in registers
+    (``_segment_tree``: the split schedule's bits without its partials buffer or second launch),
+    then the bias in fp32 and one cast.
 
     Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segment -- not on M,
     the row's position, the tile shape or the program count. A segment's partial is the
@@ -107,9 +143,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         out_ptr += seg * stride_ps
-    else:  # the one segment, from a compile-time 0: the loads start aligned
-        total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, 0, K, stride_xm, stride_wn,
-                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        if NUM_SEGS > 1:  # every segment of this tile
+            total = _segment_tree(x_ptr, w_ptr, offs_m, offs_n, SEG_BASE, K, stride_xm,
+                                  stride_wn, NUM_SEGS, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        else:  # the one segment, from a compile-time 0: the loads start aligned
+            total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, 0, K, stride_xm, stride_wn,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         if HAS_BIAS:
             total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
