@@ -77,6 +77,9 @@ def row(name: str, tp: int, m: int, k: int, n: int, row_parallel: bool, segments
     out = {"bench": "tp_shapes", "proj": name, "tp": tp, "m": m, "k": k, "n": n,
            "us": round(us, 1), "ratio_to_copy_bandwidth": round(nbytes / us / 1e3 / bw, 3),
            "cublas_us": round(stock, 1), "ratio_to_cublas_time": round(us / stock, 3)}
+    if row_parallel and tp > 1:  # the split schedule (partials buffer, then the sum kernel)
+        split = graph_us(lambda: L.sum_tree(L.partials(x, w, bounds), torch.float32))
+        out |= {"split_us": round(split, 1), "ours_over_split": round(us / split, 3)}
     if row_parallel and tp == 1:
         bounds = row_parallel_bounds(k, segments)
         seg = graph_us(lambda: L.linear(x, w, None, bounds))
