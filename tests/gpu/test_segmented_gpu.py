@@ -64,6 +64,35 @@ def test_segmented_linear_is_the_tree_sum_of_segments_alone(dtype, k, s):
             assert torch.equal(plain, p.to(dtype))
 
 
+# Qwen3-8B's row-parallel shapes (K, N, segments): TP 1 (all 8 KV-head segments) and a TP 2 rank (4)
+QWEN3_8B_ROW_PARALLEL = [(4096, 4096, 8), (12288, 4096, 8), (2048, 4096, 4), (6144, 4096, 4)]
+
+
+def _split_schedule(x, w, kb, dtype):
+    """The pointer kernel's split schedule (partials, then the tree sum kernel) into ``dtype``."""
+    out = x.new_empty(x.shape[0], w.shape[0], dtype=dtype)
+    L.run(x, w, None, out, L.SEGMENTED_TILE, L.SegmentLayout.from_bounds(kb, x.shape[1]))
+    return out
+
+
+@pytest.mark.parametrize("m", [65, 512, 2048, 8192])
+@pytest.mark.parametrize("k,n,s", QWEN3_8B_ROW_PARALLEL)
+def test_segmented_tma_kernel_is_the_split_schedule(k, n, s, m):
+    """``linear`` / ``linear_sum`` above 64 rows run ``_segmented_tma_kernel``: bit for bit the
+    split schedule's output (bf16 cast, fp32 sum), and a row's bits do not depend on M."""
+    x, w = _data(m, k, n, torch.bfloat16, seed=m)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    kb = row_parallel_bounds(k, s)
+    layout = L.SegmentLayout.from_bounds(kb, k)
+    cfg = L.segmented_config(m, n, k, x.dtype, layout)
+    assert cfg.tma and layout.even(k, cfg.block_k)
+    total = _split_schedule(x, w, kb, torch.float32)
+    assert torch.equal(L.linear_sum(x, w, kb), total)
+    got = L.linear(x, w, b, k_bounds=kb)
+    assert torch.equal(got, _split_schedule(x, w, kb, torch.bfloat16) + b)
+    assert torch.equal(L.linear(x[m - 65:], w, b, k_bounds=kb), got[m - 65:])
+
+
 def test_negative_control_one_k_chain_differs_from_segments():
     x, w = _data(64, 4096, 1024, torch.bfloat16, seed=1)
     assert not torch.equal(L.linear(x, w), L.linear(x, w, k_bounds=row_parallel_bounds(4096, 8)))

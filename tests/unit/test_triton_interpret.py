@@ -107,8 +107,8 @@ def test_segmented_tiles_take_a_block_k_that_divides_every_segment(m: int) -> No
     assert layout.even(12800, cfg.block_k) and cfg.block_k >= 64
     even = L.SegmentLayout.from_bounds(row_parallel_bounds(6144, 4), 6144)  # 8B: already even
     assert L.segmented_config(m, 4096, 6144, torch.bfloat16, even).block_k == \
-        (L.SEGMENTED_TILE if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
-                                                                 torch.bfloat16)).block_k
+        (L.segmented_tma_config(4) if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
+                                                                          torch.bfloat16)).block_k
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter's bf16 dot

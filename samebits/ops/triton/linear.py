@@ -27,7 +27,10 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
 Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
 change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). With one
 segment, rows above 64 take ``_linear_tma_kernel`` (persistent, TMA loads), smaller ones the
-pointer kernel; segments always take the pointer kernel's split schedule.
+pointer kernel. More than one segment above 64 rows, 16-bit and every segment whole BLOCK_K steps:
+``_segmented_tma_kernel`` (persistent, TMA loads) adds the partials in registers in the same tree
+order, casts and stores once -- the same bits as the split schedule, without the [S, M, N]
+buffer and the sum kernel; other segmented products take the split schedule.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 
 SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
-SPLIT_MAX_M = 64  # above this many rows, a segment's program takes SEGMENTED_TILE
+SPLIT_MAX_M = 64  # above this many rows, segmented K takes the segmented TMA kernel
+SEGMENTED_TMA_MAX = 16  # the most segments _segmented_tma_kernel sums (its stack: 4 entries)
 MIN_BLOCK_K, MAX_STAGES = 32, 8  # the smallest BLOCK_K and most stages a segmented tile takes
 # from FUSED_MIN_M + 1 to SPLIT_MAX_M rows, up to FUSED_MAX_SEGS even segments are tree-summed in
 # registers; GEMVs keep the split schedule, whose S times more programs are faster there (H100,
@@ -108,6 +112,13 @@ class SegmentLayout:
 
 # the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
+# _segmented_tma_kernel's tiles by stack depth (ceil(log2 S): 1 .. 4 fp32 tiles held besides the
+# accumulator; 8 warps hold 64 registers per 128x128 fp32 tile). Compiled for sm_90 without spills
+# (ptxas): 128x128 @ 8 warps up to 4 segments (225 registers), 128x64 @ 8 warps up to 8 (164).
+SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 64, 8, 4, tma=True),
+                       GemmConfig(128, 128, 64, 8, 4, tma=True),
+                       GemmConfig(128, 64, 64, 8, 4, tma=True),
+                       GemmConfig(64, 64, 64, 4, 4, tma=True))
 
 
 def num_segments(k: int, n: int) -> int:
@@ -126,12 +137,14 @@ def segment_len(k: int, n: int) -> int:
 
 def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: SegmentLayout
                      ) -> GemmConfig:
-    """The tile of the split schedule's programs (free to vary: it does not change the bits),
-    with the largest BLOCK_K up to the tile's own that makes ``layout`` even: a segment that is
-    not a whole number of BLOCK_K steps takes masked loads the compiler cannot vectorize (several
-    times slower; e.g. Qwen3-32B's down_proj at TP 2, 3200 columns a segment)."""
-    cfg = SEGMENTED_TILE if m > SPLIT_MAX_M and dtype != torch.float32 else \
-        pick_config(m, n, k, dtype)  # pick_config's large tiles are the TMA kernel's
+    """The tile of a segmented product (free to vary: it does not change the bits): above
+    SPLIT_MAX_M rows (16-bit) ``segmented_tma_config``'s (the pointer kernel's SEGMENTED_TILE
+    where the TMA kernel cannot run it), else the small-M schedules' -- with the largest BLOCK_K
+    up to the tile's own that makes ``layout`` even: a segment that is not a whole number of
+    BLOCK_K steps takes masked loads the compiler cannot vectorize (several times slower; e.g.
+    Qwen3-32B's down_proj at TP 2, 3200 columns a segment)."""
+    cfg = segmented_tma_config(layout.count) if m > SPLIT_MAX_M and dtype != torch.float32 \
+        else pick_config(m, n, k, dtype)
     block_k = cfg.block_k
     while not layout.even(k, block_k) and block_k > MIN_BLOCK_K:
         block_k //= 2
@@ -139,6 +152,13 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
         return cfg
     stages = min(MAX_STAGES, cfg.num_stages * cfg.block_k // block_k)  # the same bytes in flight
     return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
+
+
+def segmented_tma_config(segments: int) -> GemmConfig:
+    """``_segmented_tma_kernel``'s tile for ``segments`` K segments (by its stack depth)."""
+    if not 1 <= segments <= SEGMENTED_TMA_MAX:
+        return SEGMENTED_TILE
+    return SEGMENTED_TMA_TILES[max(0, (segments - 1).bit_length() - 1)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -262,6 +282,9 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     if p.tma:
         _run_tma(p, x, w, bias, out, (px, pw, po, pb), device)
         return
+    if p.seg_tma:
+        _run_seg_tma(p, x, w, out, (px, pw, po), device)
+        return
     target, pt = out, po
     if p.partials:
         target = x.new_empty(p.partials, m, n, dtype=torch.float32)
@@ -289,7 +312,7 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out
         _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
              Descriptor(out, (bm, bn)), bias, *p.tail, **p.options)
         return
-    where = (p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
+    where = (_TMA, p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
     args = _TMA_ARGS.get(where)
     if args is None:
         if len(_TMA_ARGS) >= TMA_ARGS_KEPT:
@@ -298,6 +321,24 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out
         maps = direct.tensor_maps(
             (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))))
         args = _TMA_ARGS[where] = (*maps, ptrs[3], *p.tail)
+    direct(p.grid, args)
+
+
+def _run_seg_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                 ptrs: tuple[int, int, int], device: int) -> None:
+    """``_run_tma`` for ``_segmented_tma_kernel`` (no bias argument)."""
+    (bm, bk), (bn, _) = p.blocks
+    descs = (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn)))
+    direct = _SEG_TMA.direct(p.key, device)
+    if direct is None:
+        _SEG_TMA(p.key, p.grid, *descs, *p.tail, **p.options)
+        return
+    where = (_SEG_TMA, p.key, p.tail[0], *ptrs)
+    args = _TMA_ARGS.get(where)
+    if args is None:
+        if len(_TMA_ARGS) >= TMA_ARGS_KEPT:
+            _TMA_ARGS.clear()
+        args = _TMA_ARGS[where] = (*direct.tensor_maps(descs), *p.tail)
     direct(p.grid, args)
 
 
@@ -327,6 +368,7 @@ class _Plan:
     blocks: tuple[tuple[int, int], ...] = ()  # TMA: (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K)
     partials: int = 0
     sum: _SumPlan | None = None
+    seg_tma: bool = False  # the launch is _segmented_tma_kernel's
 
 
 @functools.lru_cache(maxsize=4096)
@@ -347,6 +389,12 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
                                                       contiguous):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
+    if (cfg.tma and 1 < segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
+            and layout.even(k, cfg.block_k)
+            and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous, wide_out=True)):
+        return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl)
+    if cfg.tma and segs > 1:  # the split schedule's programs take the pointer kernel's tile
+        cfg = SEGMENTED_TILE
     even = layout.even(k, cfg.block_k)
     fused = not keep and 1 < segs <= FUSED_MAX_SEGS and tree_kernel_sums(segs) and even and \
         FUSED_MIN_M < m <= SPLIT_MAX_M  # one program per tile walks every segment
@@ -360,8 +408,8 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, b_dtype, n, k, stride_x, stride_w,
                           t_stride, layout, split, fused, cfg, even, pdl, prefetch, t_align, wide))
     tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, split,
-            segs if fused else 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-            even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
+            segs if fused else 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k,
+            cfg.group_m, even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
             cfg.num_warps * 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options)
@@ -397,15 +445,33 @@ def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype
               out_dtype: torch.dtype, b_dtype: torch.dtype | None, cfg: GemmConfig, pdl: bool,
               align: int) -> _Plan:
     has_bias = b_dtype is not None
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, _num_sms(torch.cuda.current_device()) if torch.cuda.is_initialized()
-                   else 4)
+    programs = _programs(m, n, cfg)
     key = _TMA.intern((x_dtype, w_dtype, out_dtype, b_dtype, n, k, cfg, programs, pdl,
                        bool(align & 4)))
     tail = (m, n, k, has_bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, pdl)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
     return _Plan(True, key, (programs, 1, 1), tail, options, blocks)
+
+
+def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                  out_dtype: torch.dtype, layout: SegmentLayout, cfg: GemmConfig,
+                  pdl: bool) -> _Plan:
+    """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias."""
+    programs = _programs(m, n, cfg)
+    key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl))
+    tail = (m, n, k, layout.base // cfg.block_k, layout.count, cfg.block_m, cfg.block_n,
+            cfg.block_k, cfg.group_m, programs, pdl)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
+    return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True)
+
+
+def _programs(m: int, n: int, cfg: GemmConfig) -> int:
+    """A persistent kernel's program count: one per SM, at most one per output tile."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return min(tiles, _num_sms(torch.cuda.current_device()) if torch.cuda.is_initialized()
+               else 4)
 
 
 @functools.lru_cache(maxsize=64)
@@ -416,16 +482,18 @@ def _uniform(k: int, segments: int) -> SegmentLayout:
 _LINEAR = Launcher(K._linear_kernel)
 _SUM_PARTIALS = Launcher(K._sum_partials_kernel)
 _TMA = Launcher(K._linear_tma_kernel)
+_SEG_TMA = Launcher(K._segmented_tma_kernel)
 TMA_ARGS_KEPT = 512
 _TMA_ARGS: dict[tuple, tuple] = {}  # (TMA key, M, x, w, out, bias addresses) -> C launcher args
 
 
 def _tma_ok(x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype, k: int, n: int,
-            align: int, contiguous: bool) -> bool:
+            align: int, contiguous: bool, wide_out: bool = False) -> bool:
     """TMA needs 16-bit, contiguous, 16-byte aligned x, w and out (alignment bits 0, 1, 3) whose
-    rows are whole multiples of 16 bytes."""
+    rows are whole multiples of 16 bytes; ``wide_out``: out may also be fp32."""
     sixteen = (torch.bfloat16, torch.float16)
-    return (x_dtype in sixteen and w_dtype in sixteen and out_dtype in sixteen and contiguous
+    outs = (*sixteen, torch.float32) if wide_out else sixteen
+    return (x_dtype in sixteen and w_dtype in sixteen and out_dtype in outs and contiguous
             and align & 0b1011 == 0b1011 and (k * x_dtype.itemsize) % 16 == 0
             and (k * w_dtype.itemsize) % 16 == 0 and (n * out_dtype.itemsize) % 16 == 0)
 

@@ -224,3 +224,107 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.co
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+@triton.constexpr_function
+def _tree_leaf(n, s):
+    """16 * depth + merges for leaf ``s`` of ``samebits.ops.backend.tree_sum``'s tree over ``n``
+    partials (tree(p[lo..hi)) = tree(p[lo..h)) + tree(p[h..hi)), h = lo + ceil((hi - lo) / 2)),
+    evaluated in post order on a stack: partial s is pushed onto ``depth`` entries, then
+    ``merges`` times the top two are replaced by their sum (lower entry + top)."""
+    steps = []
+    depth = 0
+    todo = [(0, n, False)]  # (lo, hi, children done): an explicit post-order walk
+    while todo:
+        lo, hi, done = todo.pop()
+        if hi - lo == 1:
+            steps.append([depth, 0])
+            depth += 1
+        elif done:
+            steps[-1][1] += 1
+            depth -= 1
+        else:
+            h = lo + (hi - lo + 1) // 2
+            todo += [(lo, hi, True), (h, hi, False), (lo, h, False)]
+    return 16 * steps[s][0] + steps[s][1]
+
+
+@triton.jit
+def _slot(s0, s1, s2, s3, AT: tl.constexpr):
+    """Stack entry ``AT`` (a compile-time index) of the four named entries."""
+    if AT == 0:
+        v = s0
+    elif AT == 1:
+        v = s1
+    elif AT == 2:
+        v = s2
+    else:
+        v = s3
+    return v
+
+
+@triton.jit
+def _tree_step(acc, s0, s1, s2, s3, take, NUM_SEGS: tl.constexpr, SEG: tl.constexpr):
+    """Where ``take`` (a scalar: the partial ``acc`` is segment SEG's): push ``acc`` on the stack
+    (s0 .. s3, bottom first) and apply the tree's merges ending at SEG (each: lower entry + top);
+    returns the stack, unchanged where not ``take``. Branch-free (selects): a branch here would
+    make the compiler copy the accumulator while its MMA is in flight."""
+    LEAF: tl.constexpr = _tree_leaf(NUM_SEGS, SEG)
+    DEPTH: tl.constexpr = LEAF // 16
+    MERGES: tl.constexpr = LEAF % 16
+    v = acc
+    for j in tl.static_range(MERGES):
+        v = _slot(s0, s1, s2, s3, DEPTH - 1 - j) + v
+    TOP: tl.constexpr = DEPTH - MERGES
+    if TOP == 0:
+        s0 = tl.where(take, v, s0)
+    elif TOP == 1:
+        s1 = tl.where(take, v, s1)
+    elif TOP == 2:
+        s2 = tl.where(take, v, s2)
+    else:
+        s3 = tl.where(take, v, s3)
+    return s0, s1, s2, s3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+    """Persistent TMA GEMM over NUM_SEGS (2 .. 16) K segments of SEG_TILES whole BLOCK_K steps
+    each: every segment's partial accumulated from zero in fp32 over ascending K, the partials
+    added in ``tree_sum``'s order in registers, the sum cast to out's dtype and stored.
+
+    Invariance: ``out[i, j]`` is ``_linear_kernel``'s split schedule summed by
+    ``_sum_partials_kernel`` (or ``tree_sum``), bit for bit: each partial is the one-segment
+    product of its columns (one K loop; the accumulator restarts at a segment's first step), and
+    the adds are the tree's, whatever the tile, M or the row's position.
+    """
+    wait_for_inputs(PDL)
+    start = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    # the accumulator (zero again after each segment's last step) and the stack (a tile writes
+    # an entry before it reads it): zeroing before a step would stall the MMA pipeline
+    tl.static_assert(NUM_SEGS <= 16)  # the tree's stack then holds at most 4 entries
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s0 = acc
+    s1 = acc
+    s2 = acc
+    s3 = acc
+    for tile in tl.range(start, grid_m * grid_n, NUM_PROGRAMS, flatten=True):
+        first_m = (tile // width) * GROUP_M
+        group_size = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % group_size
+        pid_n = (tile % width) // group_size
+        for kk in range(NUM_SEGS * SEG_TILES):
+            a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+            if kk % SEG_TILES == SEG_TILES - 1:  # a segment's last step: its partial joins
+                seg = kk // SEG_TILES  # the tree and the accumulator restarts from zero
+                for s in tl.static_range(NUM_SEGS):
+                    s0, s1, s2, s3 = _tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], s0.to(out_desc.dtype))
