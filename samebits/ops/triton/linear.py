@@ -113,11 +113,12 @@ class SegmentLayout:
 # the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 # _segmented_tma_kernel's tiles by stack depth (ceil(log2 S): 1 .. 4 fp32 tiles held besides the
-# accumulator; 8 warps hold 64 registers per 128x128 fp32 tile). Compiled for sm_90 without spills
-# (ptxas): 128x128 @ 8 warps up to 4 segments (225 registers), 128x64 @ 8 warps up to 8 (164).
-SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 64, 8, 4, tma=True),
-                       GemmConfig(128, 128, 64, 8, 4, tma=True),
-                       GemmConfig(128, 64, 64, 8, 4, tma=True),
+# accumulator; 8 warps hold 64 registers per 128x128 fp32 tile): the fastest of a sweep at
+# M = 2048 (H100, benchmarks/segmented_linear.py --sweep; Qwen3-8B's TP 2 o_proj / down_proj for
+# 4 segments, TP 1 o_proj for 8); 9-16 segments: compiled without spills, not timed.
+SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 128, 8, 3, tma=True),
+                       GemmConfig(128, 128, 128, 8, 3, tma=True),
+                       GemmConfig(64, 128, 128, 4, 4, tma=True),
                        GemmConfig(64, 64, 64, 4, 4, tma=True))
 
 
