@@ -101,3 +101,17 @@ def test_uneven_segments_keep_the_split_schedule(launches):
                                     ((0, hi - lo),))[0] for lo, hi in kb])
     assert torch.equal(L.linear(x, w, b, k_bounds=kb), tree_sum(parts).half() + b)
     assert launches == []
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("segs", [2, 4, 8, 16])
+def test_segmented_tma_tiles_fit_shared_memory(segs: int, out: torch.dtype) -> None:
+    """Every tile the plan launches fits a Hopper program's shared memory: its stages and the
+    output staging tile (fp32 for ``linear_sum``, twice a bf16 one)."""
+    layout = L.SegmentLayout(segs, 512)
+    plan = L._seg_tma_plan(8192, 4096, 512 * segs, torch.bfloat16, torch.bfloat16, out, layout,
+                           L.segmented_tma_config(segs), True)
+    bm, bn, bk, stages = *plan.tail[5:8], plan.options["num_stages"]
+    cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
+    assert L._smem_bytes(cfg, torch.bfloat16, out) <= L.SMEM_BYTES
+    assert layout.even(512 * segs, bk)

@@ -53,6 +53,7 @@ MIN_BLOCK_K, MAX_STAGES = 32, 8  # the smallest BLOCK_K and most stages a segmen
 # registers; GEMVs keep the split schedule, whose S times more programs are faster there (H100,
 # Qwen3-8B at TP 2, M = 1: o_proj 10.3 us split, 11.2 fused; M = 64: 14.7 split, 10.3 fused)
 FUSED_MIN_M, FUSED_MAX_SEGS = 8, 8
+SMEM_BYTES = 226 * 1024  # shared memory a Hopper program may take, less a margin for barriers
 TREE_KERNEL_MAX = 64  # the most segments _sum_partials_kernel adds (a power of two)
 PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
 
@@ -458,7 +459,12 @@ def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype
 def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
                   out_dtype: torch.dtype, layout: SegmentLayout, cfg: GemmConfig,
                   pdl: bool) -> _Plan:
-    """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias."""
+    """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias. A tile whose
+    stages and output staging buffer overflow shared memory (an fp32 output is twice a bf16
+    one) takes half the BLOCK_K and up to twice the stages less one (at most 4)."""
+    while _smem_bytes(cfg, x_dtype, out_dtype) > SMEM_BYTES and cfg.block_k > MIN_BLOCK_K:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2,
+                                  num_stages=min(2 * cfg.num_stages - 1, 4))
     programs = _programs(m, n, cfg)
     key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl))
     tail = (m, n, k, layout.base // cfg.block_k, layout.count, cfg.block_m, cfg.block_n,
@@ -466,6 +472,12 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
     return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True)
+
+
+def _smem_bytes(cfg: GemmConfig, x_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
+    """Shared memory of a TMA tile: its stages of x and w blocks, and the output staging tile."""
+    stage = (cfg.block_m + cfg.block_n) * cfg.block_k * x_dtype.itemsize
+    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * out_dtype.itemsize
 
 
 def _programs(m: int, n: int, cfg: GemmConfig) -> int:
