@@ -21,14 +21,16 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from samebits.ops.backend import AttentionMetadata
+from samebits.ops.pending_rank_sum import resolved
 
 log = logging.getLogger("samebits.engine")
 
@@ -150,7 +152,8 @@ class _Captured:
     through ``carry`` buffers: launching a graph costs the host about a microsecond per kernel,
     and the device idles until the launch returns; with pieces, only the first (one layer)
     piece's launch is waited for and the others are launched while the device runs. The
-    hand-over copies are exact, so the pieces compute the one-graph forward bit for bit. A model
+    hand-over copies are exact (a pending tensor-parallel rank sum is resolved into the carry with
+    ``sum_tree``'s bits), so the pieces compute the one-graph forward bit for bit. A model
     without ``run_layers`` is captured as one graph.
 
     A step's int inputs (``HostInputs``) go to the device in one copy (``Staging``), and the
@@ -180,37 +183,51 @@ class _Captured:
         # kept alive with the graph: it reads the plan's index tensors on every replay
         self.meta = model.ops.plan_decode(meta, self.dec_pos, max_len)
         with model.ops.as_captured():  # compiles what the capture launches; writes scratch
-            model(self.input_ids, self.positions, kv_caches, self.meta)
+            for piece in self._pieces(model, kv_caches, carry, unstage=False):
+                piece()
         torch.cuda.synchronize(dev)
-        self.graphs = self._capture(model, kv_caches, pool, carry)
+        self.graphs = self._capture(model.ops, pool,
+                                    self._pieces(model, kv_caches, carry, unstage=True))
         self.staging.send(self.host.array)  # padding rows
         self.launch()  # the first replay uploads the graphs: not in a request's time
 
-    def _capture(self, model, kv_caches: list, pool,
-                 carry: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.CUDAGraph]:
-        if carry is None:
-            graph = torch.cuda.CUDAGraph()
-            with _capture_into(graph, pool, model.ops):
-                self._unstage()
-                self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
-            return [graph]
-        pieces, graphs = layer_pieces(len(model.layers)), []
-        carry_h, carry_r = carry[0][:self.size], carry[1][:self.size]
-        for j, layers in enumerate(pieces):
+    @staticmethod
+    def _capture(ops, pool, pieces: list[Callable[[], None]]) -> list[torch.cuda.CUDAGraph]:
+        graphs = []
+        for piece in pieces:
             graphs.append(torch.cuda.CUDAGraph())
-            with _capture_into(graphs[-1], pool, model.ops):
-                if j == 0:
-                    self._unstage()
-                    h, r = model.embed(self.input_ids), None
-                else:
-                    h, r = carry_h, carry_r
-                h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
-                if j == len(pieces) - 1:
-                    self.hidden = model.final_norm(h, r)  # [size, H]
-                else:
-                    carry_h.copy_(h)
-                    carry_r.copy_(r)
+            with _capture_into(graphs[-1], pool, ops):
+                piece()
         return graphs
+
+    def _pieces(self, model, kv_caches: list, carry: tuple[torch.Tensor, torch.Tensor] | None,
+                unstage: bool) -> list[Callable[[], None]]:
+        """The step as its chain of pieces, one per graph (the whole forward without a
+        ``carry``), run eagerly by the warm-up (so it compiles the hand-overs' kernels too) and
+        then captured; ``unstage``: the first piece begins by copying the staged inputs in."""
+        if carry is None:
+            def whole() -> None:
+                if unstage:
+                    self._unstage()
+                self.hidden = model(self.input_ids, self.positions, kv_caches, self.meta)
+            return [whole]
+        pieces = layer_pieces(len(model.layers))
+        carry_h, carry_r = carry[0][:self.size], carry[1][:self.size]
+
+        def piece(j: int, layers: range) -> None:
+            if j == 0:
+                if unstage:
+                    self._unstage()
+                h, r = model.embed(self.input_ids), None
+            else:
+                h, r = carry_h, carry_r
+            h, r = model.run_layers(h, r, self.positions, kv_caches, self.meta, layers)
+            if j == len(pieces) - 1:
+                self.hidden = model.final_norm(h, r)  # [size, H]
+            else:
+                carry_h.copy_(resolved(model.ops, h))
+                carry_r.copy_(r)
+        return [partial(piece, j, layers) for j, layers in enumerate(pieces)]
 
     def launch(self) -> None:
         """Replay the step's graphs, in order, on the current stream."""

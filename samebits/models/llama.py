@@ -5,8 +5,10 @@ Every reduction goes through the ``OpBackend`` the model was built with; everyth
 elementwise and does the same casts in the same order on every path, so the invariance of the
 backend carries over to the logits. The residual stream is carried as in nano-vLLM: a layer
 returns (its MLP output, the stream before it) and the next RMSNorm adds the two
-(``rms_norm(x, w, eps, residual)``), the bits of separate adds; q/k norm, RoPE and the KV-cache
-write are one op (``qkv_rope_store``), which a backend may fuse.
+(``rms_norm(x, w, eps, residual)``), the bits of separate adds; under tensor parallel the
+row-parallel output it adds may be a ``PendingRankSum`` that this norm sums (the bits of summing
+first: ``samebits.models.parallel``), so a layer's output is a ``Hidden``. q/k norm, RoPE and the
+KV-cache write are one op (``qkv_rope_store``), which a backend may fuse.
 
 One definition at every tensor-parallel size: the projections are the parallel layers of
 ``samebits.models.parallel`` (S = the KV heads segments), so a rank builds and loads only its
@@ -38,6 +40,9 @@ from samebits.models.parallel import (
 from samebits.models.registry import architecture
 from samebits.models.weights import load_weights, packed_hf_names
 from samebits.ops.backend import AttentionMetadata, OpBackend
+from samebits.ops.pending_rank_sum import PendingRankSum, resolved
+
+Hidden = torch.Tensor | PendingRankSum  # a layer's o_proj / MLP output, as the next norm takes it
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -75,13 +80,13 @@ class Attention(nn.Module):
         self.hq, self.hkv = self.qkv_proj.hq, self.qkv_proj.hkv  # this rank's heads
         # segment g of o_proj's K: KV group g's columns
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size,
-                                        cfg.num_key_value_heads, group)
+                                        cfg.num_key_value_heads, group, into_norm=True)
         self.q_norm = replicated_param(self.d) if qk_norm else None
         self.k_norm = replicated_param(self.d) if qk_norm else None
 
     def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> torch.Tensor:
+                ) -> Hidden:
         t = h.shape[0]
         qkv = self.qkv_proj(ops, h)  # [T, (Hq + 2 Hkv) D]
         # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
@@ -92,24 +97,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
+    """SwiGLU. ``into_norm``: its output goes straight into the residual add + norm (a decoder
+    layer's MLP), so it may be a ``PendingRankSum``; else always a tensor."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup, into_norm: bool = False) -> None:
         super().__init__()
         inter, segments = cfg.intermediate_size, cfg.num_key_value_heads
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], segments, group,
                                                  cfg.mlp_bias)  # [gate; up]
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, cfg.mlp_bias,
+                                           into_norm)
 
-    def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, ops: OpBackend, h: torch.Tensor) -> Hidden:
         gate, up = self.gate_up_proj(ops, h).chunk(2, dim=-1)
         act = ops.silu_mul(gate, up, self.down_proj.segments(ops))
         return self.down_proj(ops, act)
 
 
-def add_norm(ops: OpBackend, h: torch.Tensor, w: torch.Tensor, eps: float,
+def add_norm(ops: OpBackend, h: Hidden, w: torch.Tensor, eps: float,
              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's norm: (rms_norm(h + residual), h + residual), the add fused into
     the norm; before the first layer there is no stream yet: (rms_norm(h), h)."""
     if residual is None:
+        h = resolved(ops, h)
         return ops.rms_norm(h, w, eps), h
     return ops.rms_norm(h, w, eps, residual)
 
@@ -121,11 +131,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = replicated_param(cfg.hidden_size)
         self.post_attention_layernorm = replicated_param(cfg.hidden_size)
         self.self_attn = Attention(cfg, group, qk_norm, bias)
-        self.mlp = MLP(cfg, group)
+        self.mlp = MLP(cfg, group, into_norm=True)
 
-    def forward(self, ops: OpBackend, h: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, ops: OpBackend, h: Hidden, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata) -> tuple[Hidden, torch.Tensor]:
         """h: the previous layer's MLP output (the embeddings, with ``residual`` None, for the
         first layer); residual: the stream h is to be added to. Returns (this layer's MLP
         output, the stream before it). Each add is fused into the norm that follows it: the bits
@@ -182,9 +192,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+    def run_layers(self, h: Hidden, residual: torch.Tensor | None, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                   layers: range) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   layers: range) -> tuple[Hidden, torch.Tensor | None]:
         """Layers ``layers`` of ``forward`` on (h, residual) -- (embeddings, None) before layer 0:
         consecutive ranges compose to the whole forward, bit for bit (CUDA-graph pieces)."""
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
@@ -192,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual = self.layers[i](self.ops, h, residual, cos, sin, kv_caches[i], meta)
         return h, residual
 
-    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def final_norm(self, h: Hidden, residual: torch.Tensor | None) -> torch.Tensor:
         return add_norm(self.ops, h, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

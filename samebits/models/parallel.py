@@ -16,6 +16,9 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   the rank tree-sums its own partials and the ranks gather one fp32 [..., H] sum each, tree-summed
   in rank order; otherwise every partial is gathered and tree-summed. So N = 1, 2, 3... give the
   same bits. The standard mode all-reduces one local product instead (its bits depend on N).
+  A layer built ``into_norm`` (its output goes straight into the decoder's residual add +
+  RMSNorm: o_proj, a decoder MLP's down_proj) hands that norm the gathered sums unsummed, a
+  ``PendingRankSum``, where the backend sums them there (``sums_in_norm``) and there is no bias.
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
 
@@ -36,6 +39,7 @@ from torch import nn
 
 from samebits.distributed.group import TPGroup
 from samebits.ops.backend import KBounds, OpBackend, bounds, rank_blocks_are_subtrees
+from samebits.ops.pending_rank_sum import PendingRankSum
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """x [..., this rank's K columns] -> [..., N], summed over every rank's K segments."""
+    """x [..., this rank's K columns] -> [..., N], summed over every rank's K segments.
+    ``into_norm``: the output is only ever the x of ``ops.rms_norm(x, w, eps, residual)``, which
+    may then be handed a ``PendingRankSum`` (``gathered``)."""
 
     def __init__(self, input_size: int, output_size: int, segments: int, group: TPGroup,
-                 bias: bool = False) -> None:
+                 bias: bool = False, into_norm: bool = False) -> None:
         super().__init__()
         check_divides(group, segments)
-        self.group = group
+        self.group, self.into_norm = group, into_norm
         spec = ShardSpec(1, (input_size,), segments, group.rank, group.world_size)
         lo, hi = spec.span(0)
         self.weight = _param(spec, output_size, hi - lo)
@@ -156,7 +162,7 @@ class RowParallelLinear(nn.Module):
             return self.k_bounds if ops.row_parallel_segments else None
         return self.k_bounds if ops.batch_invariant else None
 
-    def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         if self.group.world_size == 1:
             return ops.linear(x, self.weight, self.bias, k_bounds=self.segments(ops))
         if not ops.batch_invariant:
@@ -164,16 +170,20 @@ class RowParallelLinear(nn.Module):
             return out if self.bias is None else out + self.bias
         return self.gathered(ops, x)
 
-    def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+    def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         """The S segment partials tree-summed, cast, then the bias: the bits of
         ``ops.linear(x_full, w_full, b, k_bounds)`` on one device. Where this rank's segments
         are a subtree, it sums them itself (``linear_sum``) and the ranks gather one fp32 sum
-        each; else every partial is gathered. ``sum_tree`` adds what was gathered and casts."""
+        each; else every partial is gathered. ``sum_tree`` adds what was gathered and casts --
+        or, ``into_norm`` without a bias on a backend that ``sums_in_norm``, the norm does:
+        what was gathered is returned as a ``PendingRankSum``."""
         if self.local_subtree:
             mine = ops.linear_sum(x, self.weight, self.k_bounds)
             every = self.group.all_gather(mine.unsqueeze(0))  # [N, ..., H]
         else:
             every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
+        if self.into_norm and self.bias is None and getattr(ops, "sums_in_norm", False):
+            return PendingRankSum(every, x.dtype)
         out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
         return out if self.bias is None else out + self.bias
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from samebits.ops import encoder_cuda
 from samebits.ops.backend import AttentionMetadata, KBounds, register
 from samebits.ops.encoder import InvariantEncoderOps
+from samebits.ops.pending_rank_sum import PendingRankSum
 from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
 
@@ -45,6 +46,9 @@ class TritonBackend(InvariantEncoderOps):
     # schedules run 1.04-1.75x the one-segment kernels' time (benchmarks/segmented_linear.py).
     # So on CUDA, TP > 1 does not reproduce TP 1's bits.
     row_parallel_segments = False
+    # rms_norm takes a PendingRankSum for x (a row-parallel layer's gathered rank sums, left to
+    # the residual add + norm: samebits.models.parallel)
+    sums_in_norm = True
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:
@@ -73,11 +77,17 @@ class TritonBackend(InvariantEncoderOps):
             return activation.silu_mul(gate, up)
         return F.silu(gate) * up
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+    def rms_norm(self, x: torch.Tensor | PendingRankSum, w: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With ``residual``: (rms_norm(x + residual), x + residual) in one pass, the bits of the
-        add then the norm."""
+        add then the norm. x may be a row-parallel layer's ``PendingRankSum`` (``sums_in_norm``):
+        with a residual and a count the kernel takes, its tree sum and cast run in the same pass
+        (the bits of ``sum_tree`` first); else it is resolved first."""
+        if isinstance(x, PendingRankSum):
+            if residual is not None and rms_norm.sums_in_norm(x):
+                return rms_norm.rank_sum_add_rms_norm(x, residual, w, eps)
+            x = x.resolve(self)
         if residual is None:
             return rms_norm.rms_norm(x, w, eps)
         return rms_norm.add_rms_norm(x, residual, w, eps)

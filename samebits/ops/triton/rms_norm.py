@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.ops.triton.launcher import Launcher, alignment, programmatic, wait_for_inputs
+from samebits.ops.pending_rank_sum import PendingRankSum
+from samebits.ops.triton.launcher import (
+    Launcher,
+    aligned,
+    alignment,
+    programmatic,
+    wait_for_inputs,
+)
 
 MAX_BLOCK = 65536
 # fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
@@ -46,6 +53,24 @@ def weigh(y, w):
     return w.to(tl.float32)[None, :] * y.to(tl.float32)
 
 
+@triton.jit
+def add_norm_store(x, r_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, mask, H, stride_r, stride_o,
+                   stride_s, eps, HAS_RES: tl.constexpr):
+    """A row program's work once its ``[ROWS, BLOCK]`` tile ``x`` is in registers: with HAS_RES
+    ``x + r`` (fp32, rounded to x's dtype) stored as the sum and normalized in its place; then
+    ``w * rms_normalize(x)`` stored (rounded to out's dtype). ``rows`` int64 [ROWS], ``cols``
+    [BLOCK], ``mask`` [ROWS, BLOCK]."""
+    if HAS_RES:
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    y = normalize(x, inv_rms(x, H, eps))
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    out = weigh(y, w)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stride_r, stride_o,
                      stride_s, eps, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
@@ -61,15 +86,55 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stri
     mask = (rows < M)[:, None] & (cols < H)[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
-    y = normalize(x, inv_rms(x, H, eps))
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
-    out = weigh(y, w)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    add_norm_store(x, r_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, mask, H, stride_r, stride_o,
+                   stride_s, eps, HAS_RES)
+
+
+@triton.jit
+def rank_tree(p_ptr, offs, mask, stride_n, NUM: tl.constexpr):
+    """``tree_sum`` of the NUM fp32 tiles ``p_ptr + n stride_n + offs`` (n < NUM, a power of two
+    up to 8): pairs (0, 1), (2, 3) ..., then pairs of pairs -- the adds of the tree sum kernel
+    (``_sum_partials_kernel``), kept on a stack of one pending sum per level."""
+    v = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    level0 = v
+    level1 = v
+    level2 = v
+    for n in tl.static_range(1, NUM):
+        v = tl.load(p_ptr + n * stride_n + offs, mask=mask, other=0.0)
+        if n % 2 == 0:
+            level0 = v
+        else:
+            v = level0 + v
+            if n % 4 == 1:
+                level1 = v
+            else:
+                v = level1 + v
+                if n % 8 == 3:
+                    level2 = v
+                else:
+                    v = level2 + v
+    return v
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rank_sum_add_rms_norm_kernel(p_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_r, eps,
+                                  NUM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr):
+    """``_rms_norm_kernel`` with HAS_RES whose x is a pending rank sum: x = ``rank_tree`` of the
+    NUM contiguous fp32 [M, H] parts, cast once to the sum's dtype (``sum_ptr``'s).
+
+    Invariance: row i's outputs depend on the parts' row i, r[i], w and eps only; (ROWS, BLOCK,
+    warps) are the norm's, fixed by H.
+    """
+    wait_for_inputs(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    rows = rows.to(tl.int64)
+    offs = rows[:, None] * H + cols[None, :]
+    x = rank_tree(p_ptr, offs, mask, M.to(tl.int64) * H, NUM).to(sum_ptr.dtype.element_ty)
+    add_norm_store(x, r_ptr, w_ptr, out_ptr, sum_ptr, rows, cols, mask, H, stride_r, H, H, eps,
+                   True)
 
 
 @functools.cache
@@ -170,3 +235,58 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
     out, summed = _launch(x, residual, w, eps)
     assert summed is not None
     return out, summed
+
+
+_RANK_SUM_NORM = Launcher(_rank_sum_add_rms_norm_kernel)
+RANK_SUM_MAX = 8  # the most parts ``rank_tree`` adds (a power of two)
+
+
+def sums_in_norm(x: PendingRankSum) -> bool:
+    """Whether ``rank_sum_add_rms_norm`` takes ``x``: a power-of-two count up to RANK_SUM_MAX,
+    into an fp32 / fp16 / bf16 sum (``sum_tree``'s kernel's outputs)."""
+    n = x.count
+    return (0 < n <= RANK_SUM_MAX and n & (n - 1) == 0
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
+def rank_sum_add_rms_norm(x: PendingRankSum, residual: torch.Tensor, w: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(sum_tree(x.parts, x.dtype), residual, w, eps)`` in one launch, bit for bit:
+    the tree sum kernel's adds, one cast to x's dtype, then this module's add and norm over the
+    same tile shape. ``x`` must pass ``sums_in_norm``."""
+    h = x.shape[-1]
+    if residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for a rank sum of "
+                         f"{tuple(x.shape)}")
+    parts = x.parts.reshape(x.count, -1, h)
+    parts = parts if parts.is_contiguous() else parts.contiguous()
+    r = _rows(residual)
+    m = parts.shape[1]
+    out = parts.new_empty((m, h), dtype=_out_dtype(w.dtype, x.dtype))
+    summed = parts.new_empty((m, h), dtype=x.dtype)
+    if m:
+        _launch_rank_sum(parts, r, w, out, summed, eps)
+    return out.reshape(x.shape), summed.reshape(x.shape)
+
+
+def _launch_rank_sum(parts: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                     summed: torch.Tensor, eps: float) -> None:
+    """One launch of ``_rank_sum_add_rms_norm_kernel``; ``parts`` contiguous [N, M, H], ``r``
+    [M, H] with unit column stride, ``out`` and ``summed`` new [M, H]."""
+    n, m, h = parts.shape
+    device = parts.get_device()
+    if w.get_device() != device or r.get_device() != device:
+        raise ValueError(f"rms_norm: the rank sum is on {parts.device}, w on {w.device}, "
+                         f"residual on {r.device}")
+    rows, block, warps = _shape(h)
+    pdl = programmatic(parts)
+    key = _RANK_SUM_NORM.intern((summed.dtype, r.dtype, w.dtype, h, r.stride(0), eps, n, pdl,
+                                 aligned(parts, r, w)))
+    grid = (triton.cdiv(m, rows), 1, 1)
+    direct = _RANK_SUM_NORM.direct(key, device)
+    if direct is not None:
+        direct(grid, (parts.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(),
+                      summed.data_ptr(), m, h, r.stride(0), eps, n, rows, block, pdl))
+    else:
+        _RANK_SUM_NORM(key, grid, parts, r, w, out, summed, m, h, r.stride(0), eps, n, rows,
+                       block, pdl, num_warps=warps, enable_fp_fusion=FP_FUSION, launch_pdl=pdl)
