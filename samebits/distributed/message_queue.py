@@ -85,10 +85,12 @@ class MessageQueue:
         self.check: Callable[[], None] | None = None  # the writer's: raises to stop a wait
 
     @classmethod
-    def create(cls, readers: int, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
+    def create(cls, readers: int, slots: int | None = None, slot_bytes: int | None = None
                ) -> MessageQueue:
+        """A new segment for ``readers`` readers (``SLOTS`` slots of ``SLOT_BYTES`` unless
+        given)."""
         handle = QueueHandle(f"samebits-mq-{os.getpid()}-{uuid.uuid4().hex[:12]}", readers,
-                             slots, slot_bytes)
+                             slots or SLOTS, slot_bytes or SLOT_BYTES)
         shm = shared_memory.SharedMemory(handle.name, create=True, size=handle.size)
         shm.buf[:8 * handle.header_words] = bytes(8 * handle.header_words)
         return cls(handle, shm, None)
