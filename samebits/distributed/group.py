@@ -8,7 +8,10 @@ The invariant arithmetic uses only gathers: ``all_gather`` of fp32 row-parallel 
 partials (tree-summed by the caller, the same fp32 additions as on one device) and ``gather_cat``
 of row blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an all-reduce, whose
 order is the library's) serves only the standard mode. Control messages (``broadcast_object``,
-``min_int``) run over a gloo group on every device, so they never wait behind device work.
+``min_int``) run over a gloo group on every device, so they never wait behind device work; with a
+``queue`` attached (the engine's ranks), ``broadcast_object`` goes through that shared-memory
+``MessageQueue`` instead -- a write and a poll, no round trip --, and only a message too large for
+one of its slots through gloo.
 
 Leaving the group is never collective, and comes after the CUDA graphs are gone: NCCL's abort,
 finalize and destroy of a communicator all wait until every graph that captured one of its
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from samebits import env
+from samebits.distributed.message_queue import MessageQueue
 
 log = logging.getLogger("samebits.engine")
 
@@ -58,6 +62,7 @@ class TPGroup:
         self.connected = False
         self.lock = threading.Lock()  # held by whatever aborts or releases the group: one at a time
         self.trace: TextIO | None = None  # SAMEBITS_TP_TRACE: this rank's collectives, in order
+        self.queue: MessageQueue | None = None  # carries ``broadcast_object`` when attached
 
     def connect(self, init_method: str) -> None:
         """Join the process group (every rank calls this with the same ``init_method``), then
@@ -129,13 +134,23 @@ class TPGroup:
         return int(t.item())
 
     def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0's ``obj`` on every rank (pickled; tensors should be on the CPU)."""
+        """Rank 0's ``obj`` on every rank (pickled; tensors should be on the CPU): through the
+        ``queue`` when one is attached (rank 0 writes and goes on), else over gloo."""
         if self.world_size == 1:
             return obj
+        if self.queue is None:
+            obj = self._broadcast_gloo(obj)
+        elif self.is_driver:
+            self.queue.enqueue(obj, self._broadcast_gloo)
+        else:
+            obj = self.queue.dequeue(self._broadcast_gloo)
+        op = obj[0] if isinstance(obj, tuple) and obj else type(obj).__name__
+        self._record(f"broadcast_object:{op}")
+        return obj
+
+    def _broadcast_gloo(self, obj: object = None) -> object:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        op = box[0][0] if isinstance(box[0], tuple) and box[0] else type(box[0]).__name__
-        self._record(f"broadcast_object:{op}")
         return box[0]
 
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,25 @@
-"""Tensor-parallel ranks as processes (vLLM's shape): rank 0 is the engine's process -- it
-schedules, announces each model call to the other ranks, runs it on its own shard, and samples;
-ranks 1..N-1 are spawned processes (``samebits.engine.worker``) that load only their shard, run
-a runner of their own and make every call rank 0 announces.
+"""Tensor-parallel ranks as processes (vLLM's shape): rank 0 is the engine's process -- it schedules,
+announces each model call to the other ranks (through a shared-memory ``MessageQueue`` it creates
+before spawning them, ``TPGroup.broadcast_object``), runs it on its own shard, and samples; ranks
+1..N-1 are spawned processes (``samebits.engine.worker``) that load only their shard, run a runner
+of their own and make every call rank 0 announces.
 
-``start_runner(config)`` starts them all: the ranks load at the same time; each reports over a
-pipe that it loaded (or why it failed) before any process group exists, so a rank that fails to
-start is an error naming it, never a wait. Then the ranks join the process group and build their
-runners together. A watcher thread follows the ranks' processes: when one dies (killed, or an
-exception), the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming
-the rank (gloo fails a collective whose peer closed its connection; an NCCL group is aborted).
-Shutdown (``Ranks.close``; also when the runner is collected, and at exit) never waits on a
-collective teardown, and returns within ``STOP_GRACE_S`` + ``KILL_WAIT_S`` +
-``group.RELEASE_TIMEOUT_S`` (25 s; well under a second when the ranks exit when told): rank 0
-destroys its CUDA graphs (an NCCL communicator cannot be released while a graph that captured its
-collectives lives), tells the ranks to stop -- each drops its graphs, waits for its device and
-exits (``os._exit``) without touching the process group --, waits for them to exit, kills those
-that did not, then releases its own side of the group alone (``TPGroup.leave``: local, bounded; a
-release that hangs is reported and left in a daemon thread). Afterwards this process can start
-another tensor-parallel engine.
+``start_runner(config)`` starts them all: the ranks load at the same time; each reports over a pipe
+that it loaded (or why it failed) before any process group exists, so a rank that fails to start is
+an error naming it, never a wait. Then the ranks join the process group and build their runners
+together. A watcher thread follows the ranks' processes: when one dies (killed, or an exception),
+the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming the rank (gloo
+fails a collective whose peer closed its connection; an NCCL group is aborted). Shutdown
+(``Ranks.close``; also when the runner is collected, and at exit) never waits on a collective
+teardown, and returns within ``STOP_GRACE_S`` + ``KILL_WAIT_S`` + ``group.RELEASE_TIMEOUT_S`` (25 s;
+well under a second when the ranks exit when told): rank 0 destroys its CUDA graphs (an NCCL
+communicator cannot be released while a graph that captured its collectives lives), tells the ranks
+to stop -- each drops its graphs, waits for its device and exits (``os._exit``) without touching the
+process group --, waits for them to exit, kills those that did not, unlinks the queue's shared
+memory, then releases its own side of the group alone (``TPGroup.leave``: local, bounded; a release
+that hangs is reported and left in a daemon thread). Afterwards this process can start another
+tensor-parallel engine. Rank 0 waiting for a queue slot that a dead rank never frees raises that
+rank's ``RankFailedError`` once the watcher named it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup, check_free, run_bounded
+from samebits.distributed.message_queue import MessageQueue
 from samebits.engine.cuda_graph import DecodeGraphs
 from samebits.engine.runner import ModelRunner
 from samebits.engine.worker import rank_main
@@ -67,6 +70,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
     ranks = Ranks(config)
     try:
         group = ranks.group = TPGroup(0, config.tensor_parallel_size, rank_device(config, 0))
+        group.queue = ranks.queue
         if group.device.type == "cuda":  # as on every rank: its GPU is the current device
             torch.cuda.set_device(group.device)
         start = time.perf_counter()
@@ -90,7 +94,8 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
 
 class Ranks:
     """Rank 0's handle on ranks 1..N-1: their processes, the pipe each reports on, and the
-    announcements of the calls they follow (``ModelRunner.follow``)."""
+    queue that announces the calls they follow (``ModelRunner.follow``) -- rank r reads it as
+    reader r - 1."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
@@ -100,17 +105,24 @@ class Ranks:
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
         self.graphs: weakref.ref[DecodeGraphs] | None = None  # rank 0's, released before the group
+        self.queue = MessageQueue.create(readers=self.world - 1)
+        self.queue.check = self._check_failure  # a write waiting on a dead rank raises
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
         self.pipes: dict[int, Connection] = {}
         self.procs: dict[int, mp.Process] = {}
-        for rank in range(1, self.world):
-            mine, theirs = ctx.Pipe(duplex=False)
-            self.procs[rank] = ctx.Process(
-                target=rank_main, name=f"samebits-tp-rank-{rank}", daemon=True,
-                args=(config, rank, self.init_method, theirs, torch.get_num_threads()))
-            self.pipes[rank] = mine
-        for proc in self.procs.values():
-            proc.start()
+        try:
+            for rank in range(1, self.world):
+                mine, theirs = ctx.Pipe(duplex=False)
+                self.procs[rank] = ctx.Process(
+                    target=rank_main, name=f"samebits-tp-rank-{rank}", daemon=True,
+                    args=(config, rank, self.init_method, self.queue.handle, theirs,
+                          torch.get_num_threads()))
+                self.pipes[rank] = mine
+            for proc in self.procs.values():
+                proc.start()
+        except BaseException:
+            self.queue.close()
+            raise
         log.info("tensor parallel: spawned ranks 1..%d (pids %s)", self.world - 1,
                  ", ".join(str(p.pid) for p in self.procs.values()))
 
@@ -190,6 +202,9 @@ class Ranks:
     def check(self) -> None:
         if self.closing:
             raise RuntimeError("the tensor-parallel engine was shut down")
+        self._check_failure()
+
+    def _check_failure(self) -> None:
         if self.failure is not None:
             raise RankFailedError(self.failure)
 
@@ -234,6 +249,7 @@ class Ranks:
         clean = self._reap(deadline if told else 0.0)
         if not clean and told:
             log.warning("tensor parallel: a rank did not exit when told to stop; it was killed")
+        self.queue.close()
         if group is not None:
             group.leave(synchronize=clean)
 

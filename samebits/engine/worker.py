@@ -2,7 +2,8 @@
 
 It loads only its shard, reports over its pipe that it is ready (or why it failed), joins the
 process group, builds its own runner (its own KV cache and CUDA graphs, sized on its own device)
-in step with rank 0's, then makes every call rank 0 announces until told to stop. Then it destroys
+in step with rank 0's, then makes every call rank 0 announces (read from the shared-memory
+queue rank 0 created, ``TPGroup.broadcast_object``) until told to stop. Then it destroys
 its CUDA graphs, waits for its device (every collective it issued has completed on every rank:
 rank 0 issued the same ones before saying stop) and exits with code 0 without touching the
 process group: no teardown of NCCL's, which waits for the graphs that captured its collectives
@@ -29,6 +30,7 @@ import torch
 from samebits import env
 from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup
+from samebits.distributed.message_queue import MessageQueue, QueueHandle
 from samebits.engine.runner import ModelRunner
 from samebits.loader import load, rank_device
 from samebits.log import get_logger
@@ -36,14 +38,16 @@ from samebits.log import get_logger
 log = get_logger("engine")
 
 
-def rank_main(config: EngineConfig, rank: int, init_method: str, pipe: Connection,
-              threads: int) -> None:
-    """The process's entry point (spawned by ``executor.Ranks``)."""
+def rank_main(config: EngineConfig, rank: int, init_method: str, queue: QueueHandle,
+              pipe: Connection, threads: int) -> None:
+    """The process's entry point (spawned by ``executor.Ranks``): rank 0's announcements come
+    through ``queue``, read as reader ``rank - 1``."""
     torch.set_num_threads(threads)
     _dump_stacks_periodically()
     _exit_with_parent()
     try:
         group = TPGroup(rank, config.tensor_parallel_size, rank_device(config, rank))
+        group.queue = MessageQueue.attach(queue, rank - 1)
         if group.device.type == "cuda":  # kernels, graph pools and events use the current one
             torch.cuda.set_device(group.device)
         start = time.perf_counter()
