@@ -9,18 +9,12 @@ reduce of rank sums does) changes the sum with N."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from samebits import LLM, SamplingParams
+from tests.tiny_models import TP_LLAMA_CONFIG, write_config
 
-# 12 query heads, 6 KV heads: N = 1, 2, 3 (and 6) divide them; odd sizes exercise uneven slices
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 96,
-          "intermediate_size": 200, "num_hidden_layers": 2, "num_attention_heads": 12,
-          "num_key_value_heads": 6, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 499}
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 20, list(range(10, 50))]
 PARAMS = [SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True),
           SamplingParams(max_tokens=6, ignore_eos=True),
@@ -47,8 +41,7 @@ def _run(path: str, **options) -> tuple[list, list, str]:
 
 @pytest.fixture(scope="module")
 def dummy_config(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tp") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("tp"), TP_LLAMA_CONFIG)
     return str(path)
 
 

@@ -8,7 +8,8 @@ afterwards the server answers, concurrent and alone, bitwise what a fresh TP 2 s
 a checkpoint of the new weights answers (and no longer what it answered before); when rank 1's
 process is killed (SIGKILL) while the server is idle, /health turns 503 naming the rank within
 30 s, a request gets a 503 naming it, and the server then stops on SIGTERM with its engine
-process and ranks gone.
+process and ranks gone. Negative control: the standard numerics (``--standard``) at TP 2 give
+other bits to the same 48 concurrent requests than to each alone.
 """
 
 from __future__ import annotations
@@ -106,6 +107,19 @@ def test_tp2_server_48_concurrent_requests_equal_each_alone(tp2):
     _token_ids_present(together)
     assert _mismatches(together, alone) == []
     tp2.wait_idle()
+
+
+def test_negative_control_standard_tp2_differs_and_the_server_stops_with_its_ranks():
+    servers = _serve(CONFIG, "--load-format", "dummy", "--standard")
+    server = next(servers)
+    engine = _engine_pid(server)
+    ranks = _rank_pids(engine)
+    try:
+        together, alone = _together_and_alone(server, _requests())
+        assert _mismatches(together, alone), "standard numerics should change bits with the batch"
+    finally:
+        _stop(servers, server)
+    assert len(ranks) == 1 and all(_gone(p, timeout=10) for p in [engine, *ranks])
 
 
 def test_weight_update_reaches_both_ranks_equals_fresh_tp2_server_of_new_weights(tp2,

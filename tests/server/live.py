@@ -6,7 +6,6 @@ a free loopback port in a thread of its own."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
@@ -20,18 +19,16 @@ from samebits.engine.engine import LLMEngine
 from samebits.server.app import build_app
 from samebits.server.lifecycle import DrainingServer, make_server
 from samebits.server.limits import ServerLimits
+from tests.tiny_models import TINY_LLAMA_CONFIG, write_config
 
 KEY = "live-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-          "max_position_embeddings": 8192, "eos_token_id": 299}
+# the engine tests' tiny Llama, 8192 positions long
+CONFIG = {**TINY_LLAMA_CONFIG, "max_position_embeddings": 8192}
 
 
 def tiny_engine(directory: Path) -> LLMEngine:
-    path = directory / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(directory, CONFIG)
     return LLMEngine(EngineConfig(str(path), load_format="dummy", num_kv_blocks=1024))
 
 

@@ -31,6 +31,7 @@ from samebits.server.embeddings import EmbeddingContext, embed_ids
 from samebits.server.errors import APIError
 from samebits.server.metrics import Metrics
 from tests.server.conftest import API_KEY, start_server
+from tests.tiny_models import TINY_BERT_CONFIG, write_config
 
 EMBED = "all-MiniLM-L6-v2"
 GEN = "SmolLM2-135M-Instruct"
@@ -304,16 +305,10 @@ def test_embeddings_beside_a_generation_model(both_server, offline):
     both_server.wait_idle()
 
 
-TINY_BERT = {"architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
-             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "max_position_embeddings": 40}
-
-
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory) -> LLMEngine:
     """A one-layer BERT of dummy weights whose steps take at least 20 ms, at most 4 inputs each."""
-    path = tmp_path_factory.mktemp("tiny-bert") / "config.json"
-    path.write_text(json.dumps(TINY_BERT))
+    path = write_config(tmp_path_factory.mktemp("tiny-bert"), TINY_BERT_CONFIG)
     engine = LLMEngine(EngineConfig(model=str(path), task="embed", load_format="dummy",
                                     max_num_seqs=4))
     run = engine.runner.run
@@ -388,8 +383,7 @@ def test_abandoned_request_stops_within_a_step(tiny_engine):
 
 def test_a_failed_step_fails_its_requests_and_the_embedding_engine_reports_it(tmp_path,
                                                                                monkeypatch):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_BERT))
+    path = write_config(tmp_path, TINY_BERT_CONFIG)
     engine = LLMEngine(EngineConfig(model=str(path), task="embed", load_format="dummy"))
 
     def crash(batch):

@@ -5,7 +5,6 @@ counts the metrics read add up."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import replace
 
@@ -17,19 +16,15 @@ from samebits.engine.engine import LLMEngine
 from samebits.sampling_params import SamplingParams
 from samebits.server.core_messages import Abort, AddGroup, Admitted, CoreOutputs, Delta, Stop
 from samebits.server.engine_core import EngineCore
+from tests.tiny_models import TINY_LLAMA_CONFIG, write_config
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-          "max_position_embeddings": 128, "eos_token_id": 299}
 SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> EngineConfig:
-    path = tmp_path_factory.mktemp("core") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("core"), TINY_LLAMA_CONFIG)
     return EngineConfig(str(path), load_format="dummy", num_kv_blocks=32)
 
 

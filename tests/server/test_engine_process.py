@@ -6,7 +6,6 @@ swapped through the pipe, and the process gone when the server stops (SIGTERM), 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from samebits.server.async_engine import AsyncEngine, Delta, RequestGroup
 from samebits.server.engine_process import EngineProcess
 from samebits.server.metrics import Metrics
 from tests.server.conftest import Server, start_server
-from tests.server.test_engine_core import CONFIG
+from tests.tiny_models import TINY_LLAMA_CONFIG, write_config
 
 SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -34,8 +33,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("proc") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("proc"), TINY_LLAMA_CONFIG)
     return str(path)
 
 
@@ -74,8 +72,7 @@ def test_engine_process_serves_the_thread_cores_bits_and_exits_when_stopped(conf
 
 
 def test_engine_process_start_failure_is_the_engines_error(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({**CONFIG, "architectures": ["NoSuchForCausalLM"]}))
+    path = write_config(tmp_path, {**TINY_LLAMA_CONFIG, "architectures": ["NoSuchForCausalLM"]})
     with pytest.raises(ModelFormatError, match="unsupported architecture"):
         EngineProcess(EngineConfig(str(path), load_format="dummy", num_kv_blocks=32))
 
@@ -117,7 +114,7 @@ def _serve_tiny(config_path: str, *extra: str, api_key: str | None = None) -> It
 
 def test_weights_are_swapped_in_the_engine_process(config_path, tmp_path):
     (tmp_path / "norm").mkdir()
-    save_file({"model.norm.weight": torch.full((CONFIG["hidden_size"],), 1.7)},
+    save_file({"model.norm.weight": torch.full((TINY_LLAMA_CONFIG["hidden_size"],), 1.7)},
               str(tmp_path / "norm" / "model.safetensors"))
     servers = _serve_tiny(config_path, "--enable-weight-updates", "--weight-update-root",
                           str(tmp_path), api_key="k-1")

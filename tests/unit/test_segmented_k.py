@@ -17,7 +17,6 @@ path bitwise; and, as negative controls, one K chain gives other bits than the s
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
@@ -35,13 +34,9 @@ from samebits.ops.backend import (
     row_parallel_bounds,
     tree_sum,
 )
+from tests.tiny_models import TP_LLAMA_CONFIG, write_config
 
 OPS = get_backend("cpu", batch_invariant=True)
-# the TP test model's shape: 12 heads / 6 KV heads of 16, an intermediate size of 200 (uneven)
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 96,
-          "intermediate_size": 200, "num_hidden_layers": 2, "num_attention_heads": 12,
-          "num_key_value_heads": 6, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 499}
 
 
 def _partials(n: int, seed: int = 0) -> torch.Tensor:
@@ -226,8 +221,7 @@ def test_decoder_one_call_equals_gathered_partials_path_bitwise(tmp_path):
     the same model with every row-parallel layer on its tensor-parallel path (per-segment
     partials on the rank's columns, tree-summed and gathered, cast, bias)."""
     from samebits import LLM
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path, TP_LLAMA_CONFIG)  # 12 / 6 heads of 16, intermediate 200
     model = LLM(str(path), load_format="dummy", num_kv_blocks=8).engine.runner.model
     rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
     assert len(rows) == 4

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
+
 ROOT = Path(__file__).parents[2]
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
 # argv: config path, "clean" | "stuck", a work directory
 SCRIPT = '''
 import json, os, sys, time
@@ -88,8 +87,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("collectives") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("collectives"), MICRO_LLAMA_CONFIG)
     return str(path)
 
 

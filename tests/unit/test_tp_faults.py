@@ -11,7 +11,6 @@ holds about half of the sharded weights.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,10 +23,8 @@ import pytest
 
 from samebits import LLM, SamplingParams
 from samebits.engine.executor import RankFailedError, check_main_guard
+from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
 ROOT = Path(__file__).parents[2]
 FAILING_START = '''
 import sys, time
@@ -48,8 +45,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("faults") / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path_factory.mktemp("faults"), MICRO_LLAMA_CONFIG)
     return str(path)
 
 

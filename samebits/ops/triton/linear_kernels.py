@@ -157,6 +157,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.constexpr_function
+def _tree_levels(n):
+    """log2(n): the levels of pairwise adds that reduce n (a power of two) rows to one."""
+    assert n > 0 and n & (n - 1) == 0, f"{n} partials: not a power of two"
+    return n.bit_length() - 1
+
+
 @triton.jit
 def _pair_level(x, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
     """[2 PAIRS, BLOCK] -> [PAIRS, BLOCK]: row i is x[2i] + x[2i + 1] (one add of two values,
@@ -177,18 +184,9 @@ def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS: tl.constexpr
     x = tl.load(part_ptr + segs.to(tl.int64)[:, None] * MN + offs[None, :], mask=mask[None, :],
                 other=0.0)
     # level l adds pairs of level l - 1's rows: NUM_SEGS >> l rows remain
-    if NUM_SEGS >= 2:
-        x = _pair_level(x, NUM_SEGS // 2, BLOCK)
-    if NUM_SEGS >= 4:
-        x = _pair_level(x, NUM_SEGS // 4, BLOCK)
-    if NUM_SEGS >= 8:
-        x = _pair_level(x, NUM_SEGS // 8, BLOCK)
-    if NUM_SEGS >= 16:
-        x = _pair_level(x, NUM_SEGS // 16, BLOCK)
-    if NUM_SEGS >= 32:
-        x = _pair_level(x, NUM_SEGS // 32, BLOCK)
-    if NUM_SEGS >= 64:
-        x = _pair_level(x, NUM_SEGS // 64, BLOCK)
+    LEVELS: tl.constexpr = _tree_levels(NUM_SEGS)
+    for level in tl.static_range(1, LEVELS + 1):
+        x = _pair_level(x, NUM_SEGS >> level, BLOCK)
     total = tl.reshape(x, [BLOCK])
     if HAS_BIAS:
         total += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
