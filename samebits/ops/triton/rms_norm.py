@@ -25,6 +25,7 @@ from samebits.ops.triton.launcher import (
     programmatic,
     wait_for_inputs,
 )
+from samebits.ops.triton.linear_kernels import tree_push
 
 MAX_BLOCK = 65536
 # fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
@@ -101,18 +102,7 @@ def rank_tree(p_ptr, offs, mask, stride_n, NUM: tl.constexpr):
     level2 = v
     for n in tl.static_range(1, NUM):
         v = tl.load(p_ptr + n * stride_n + offs, mask=mask, other=0.0)
-        if n % 2 == 0:
-            level0 = v
-        else:
-            v = level0 + v
-            if n % 4 == 1:
-                level1 = v
-            else:
-                v = level1 + v
-                if n % 8 == 3:
-                    level2 = v
-                else:
-                    v = level2 + v
+        v, level0, level1, level2 = tree_push(v, n, level0, level1, level2)
     return v
 
 
