@@ -61,7 +61,7 @@ def row(n: int, m: int, h: int) -> dict:
     equal = all(torch.equal(a, b) for a, b in zip(fused(), unfused(), strict=True))
     f_us, u_us = graph_us(fused), graph_us(unfused)
     moved = n * m * h * 4 + 3 * m * h * 2
-    return {"parts": n, "rows": m, "hidden": h, "fused_us": round(f_us, 2),
+    return {"bench": "rank_sum_norm", "parts": n, "rows": m, "hidden": h, "fused_us": round(f_us, 2),
             "unfused_us": round(u_us, 2), "fused_over_unfused": round(f_us / u_us, 3),
             "fused_gb_s": round(moved / f_us / 1e3, 1), "bits_equal": equal,
             "device": torch.cuda.get_device_name(0)}

@@ -51,13 +51,12 @@ def _row(name: str, k: int, n: int, segs: int, m: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bounds = row_parallel_bounds(k, segs)
     layout = L.SegmentLayout.from_bounds(bounds, k)
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     seg = _us(L.linear, x, w, None, bounds)
-    split = _us(L.run, x, w, None, out, L.SEGMENTED_TILE if m > L.SPLIT_MAX_M else None, layout)
+    split = _us(lambda: L.sum_tree(L.partials(x, w, bounds), x.dtype))  # partials, then the sum
     one, stock = _us(L.linear, x, w), _us(F.linear, x, w)
     cfg = L.segmented_config(m, n, k, x.dtype, layout)
     return {"bench": "segmented_linear", "shape": name, "m": m, "k": k, "n": n,
-            "segments": segs, "segmented_cfg": str(cfg) if cfg.tma else "split",
+            "segments": segs, "schedule": _schedule(x, w, cfg, layout),
             "segmented_us": round(seg, 1), "split_us": round(split, 1),
             "one_segment_us": round(one, 1), "cublas_us": round(stock, 1),
             "segmented_over_one_segment": round(seg / one, 3),
@@ -65,13 +64,22 @@ def _row(name: str, k: int, n: int, segs: int, m: int) -> dict:
             "split_over_cublas": round(split / stock, 3)}
 
 
+def _schedule(x: torch.Tensor, w: torch.Tensor, cfg: L.GemmConfig,
+              layout: L.SegmentLayout) -> str:
+    """The schedule and tile ``run`` takes for x @ w.T over ``layout`` with ``cfg``."""
+    plan = L.plan_of(x, w, cfg, layout)
+    return f"{plan.schedule} {plan.tail} {plan.options}"
+
+
 def _sweep(name: str, k: int, n: int, segs: int, m: int) -> None:
     """Each SWEEP config of the segmented TMA kernel whose BLOCK_K divides a segment, checked
-    bitwise against the default pick, timed against cuBLAS."""
+    bitwise against the split schedule (partials, then the sum), timed against cuBLAS; each
+    line names the tile that ran (the plan halves BLOCK_K where shared memory overflows)."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    layout = L.SegmentLayout.from_bounds(row_parallel_bounds(k, segs), k)
-    want = L.linear(x, w, None, row_parallel_bounds(k, segs))
+    bounds = row_parallel_bounds(k, segs)
+    layout = L.SegmentLayout.from_bounds(bounds, k)
+    want = L.sum_tree(L.partials(x, w, bounds), x.dtype)
     stock = _us(F.linear, x, w)
     for cfg in SWEEP:
         if not layout.even(k, cfg.block_k):
@@ -84,7 +92,8 @@ def _sweep(name: str, k: int, n: int, segs: int, m: int) -> None:
                               "cfg": str(cfg), "error": type(e).__name__}), flush=True)
             continue
         print(json.dumps({"bench": "segmented_sweep", "shape": name, "m": m, "segments": segs,
-                          "cfg": str(cfg), "us": round(us, 1), "cublas_us": round(stock, 1),
+                          "cfg": str(cfg), "ran": _schedule(x, w, cfg, layout),
+                          "us": round(us, 1), "cublas_us": round(stock, 1),
                           "over_cublas": round(us / stock, 3),
                           "bits_equal": torch.equal(out, want)}), flush=True)
 

@@ -14,9 +14,10 @@ whose pickle does not fit a slot is published with length ``LARGE`` and then sen
 ``fallback`` both sides pass (the group's gloo broadcast), in the same order.
 
 Waiting spins (yielding the core) for ``SPIN_S``, then sleeps in steps growing to ``SLEEP_S``:
-a reader waiting between decode steps answers at once, an idle engine's reader costs well under
-1% of a core. A waiting writer calls ``check`` on every poll (the executor's: raises once a rank
-died), so a dead reader that never frees its slot ends in that error, never in a wait.
+a reader waiting between decode steps answers at once (and spins through every gap shorter than
+``SPIN_S``); once an engine idles, a reader costs about 2% of a core (``benchmarks/announce.py``).
+A waiting writer calls ``check`` on every poll (the executor's: raises once a rank died), so a
+dead reader that never frees its slot ends in that error, never in a wait.
 
 The writer creates the segment and unlinks it in ``close``; Python's resource tracker unlinks it
 if the writer's process dies first (the readers, spawned, share that tracker).
@@ -30,7 +31,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -45,8 +46,9 @@ _FENCE = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory barrier (a lock's acquire and release): payload stores are visible before
-    the counter that publishes them, on any CPU."""
+    """A compiler and interpreter barrier (a lock's acquire and release). With x86-TSO's store
+    order (the GPU hosts) payload stores are then visible before the counter that publishes
+    them; a weakly ordered CPU (aarch64) would need a hardware fence here."""
     with _FENCE:
         pass
 
@@ -83,6 +85,7 @@ class MessageQueue:
         self.payload = shm.buf[8 * handle.header_words:handle.size]
         self.count = 0  # messages this end has written, or read
         self.check: Callable[[], None] | None = None  # the writer's: raises to stop a wait
+        self.closed = False
 
     @classmethod
     def create(cls, readers: int, slots: int | None = None, slot_bytes: int | None = None
@@ -113,11 +116,12 @@ class MessageQueue:
             return False
         slot = n % h.slots
         inline = len(data) <= h.slot_bytes
-        if inline:
-            self.payload[slot * h.slot_bytes:slot * h.slot_bytes + len(data)] = data
-        self.header[self._length_word(slot)] = len(data) if inline else LARGE
-        _fence()
-        self.header[0] = self.count = n + 1
+        with self._open():
+            if inline:
+                self.payload[slot * h.slot_bytes:slot * h.slot_bytes + len(data)] = data
+            self.header[self._length_word(slot)] = len(data) if inline else LARGE
+            _fence()
+            self.header[0] = self.count = n + 1
         if not inline:
             fallback(obj)
         return True
@@ -132,12 +136,24 @@ class MessageQueue:
             raise TimeoutError(f"no message within {timeout} s")
         _fence()
         slot = n % h.slots
-        length = self.header[self._length_word(slot)]
-        obj = None if length == LARGE else pickle.loads(
-            self.payload[slot * h.slot_bytes:slot * h.slot_bytes + length])
-        _fence()  # the slot is read before it is handed back
-        self.header[LINE * (1 + self.reader)] = self.count = n + 1
+        with self._open():
+            length = self.header[self._length_word(slot)]
+            obj = None if length == LARGE else pickle.loads(
+                self.payload[slot * h.slot_bytes:slot * h.slot_bytes + length])
+            _fence()  # the slot is read before it is handed back
+            self.header[LINE * (1 + self.reader)] = self.count = n + 1
         return fallback() if length == LARGE else obj
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Around reads and writes of the segment: ``close`` in another thread (released views
+        raise ValueError) becomes the queue's closed error."""
+        try:
+            yield
+        except ValueError:
+            if self.closed:
+                raise RuntimeError("the message queue was closed") from None
+            raise
 
     def _oldest_done(self) -> int:
         return min(self.header[LINE * (1 + r)] for r in range(self.handle.readers))
@@ -152,10 +168,11 @@ class MessageQueue:
         start = time.monotonic()
         pause = 1e-5
         while True:
-            if self.shm.buf is None:
+            if self.closed:
                 raise RuntimeError("the message queue was closed")
-            if ready():
-                return True
+            with self._open():
+                if ready():
+                    return True
             if check is not None:
                 check()
             waited = time.monotonic() - start
@@ -171,8 +188,9 @@ class MessageQueue:
         """Drop this end's mapping; the writer also unlinks the segment (idempotent). A wait
         still running in another thread then raises; a view it holds keeps the mapping alive
         until it is dropped."""
-        if self.shm.buf is None:
+        if self.closed:
             return
+        self.closed = True  # first: a wait in another thread stops before the views go
         if self.reader is None:
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()

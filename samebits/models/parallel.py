@@ -182,7 +182,7 @@ class RowParallelLinear(nn.Module):
             every = self.group.all_gather(mine.unsqueeze(0))  # [N, ..., H]
         else:
             every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
-        if self.into_norm and self.bias is None and getattr(ops, "sums_in_norm", False):
+        if self.into_norm and self.bias is None and ops.sums_in_norm:
             return PendingRankSum(every, x.dtype)
         out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
         return out if self.bias is None else out + self.bias

@@ -337,6 +337,7 @@ class DifferentiableOps:
         self.inner = inner
         self.name, self.batch_invariant = inner.name, inner.batch_invariant
         self.row_parallel_segments = inner.row_parallel_segments
+        self.sums_in_norm = False  # the differentiable norm takes tensors
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

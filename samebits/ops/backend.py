@@ -80,6 +80,9 @@ class OpBackend(Protocol):
     # whether a decoder's row-parallel linears (o_proj, down_proj) run over their K segments by
     # default, i.e. one device computes the bits of every tensor-parallel size
     row_parallel_segments: bool
+    # whether ``rms_norm(x, w, eps, residual)`` takes a row-parallel layer's ``PendingRankSum`` as
+    # x (the ranks' gathered sums, added in the norm's kernel); else the layer resolves it first
+    sums_in_norm: bool
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

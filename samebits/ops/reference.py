@@ -221,6 +221,7 @@ class ReferenceBackend(InvariantEncoderOps):
     name = f"reference-cpu|tile_m={TILE_M}|{cpu_kernels.ARITHMETIC}"
     batch_invariant = True
     row_parallel_segments = True  # in-kernel segments: free
+    sums_in_norm = False
 
     linear = staticmethod(linear)
     linear_partials = staticmethod(linear_partials)

@@ -21,6 +21,7 @@ class StandardBackend(StandardEncoderOps):
     name = "standard"
     batch_invariant = False
     row_parallel_segments = False  # stock kernels pick their own K order
+    sums_in_norm = False
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

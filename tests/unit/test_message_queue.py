@@ -13,9 +13,9 @@ segment is gone after shutdown, and a killed rank makes the announcing rank 0 ra
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -30,6 +30,7 @@ from samebits import LLM, SamplingParams
 from samebits.distributed import message_queue
 from samebits.distributed.message_queue import MessageQueue, QueueHandle
 from samebits.engine.executor import RankFailedError
+from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
 
 SHM = Path("/dev/shm")
 CTX = mp.get_context("fork")  # the queue only: fast to start
@@ -50,6 +51,25 @@ def test_one_reader_gets_every_message_in_order_across_wrap_arounds():
                 got += [reader.dequeue(_no_fallback, timeout=1) for _ in range(3)]
         got.append(reader.dequeue(_no_fallback, timeout=1))
         assert got == [("op", n) for n in range(40)]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_message_of_exactly_a_slot_goes_inline_one_byte_more_through_the_fallback():
+    writer = MessageQueue.create(readers=1, slots=2, slot_bytes=256)
+    reader = MessageQueue.attach(writer.handle, 0)
+    sent = []
+    try:
+        for size in (256, 257):
+            payload = b"x" * size
+            while len(pickle.dumps(payload, protocol=5)) > size:  # the pickle is `size` bytes
+                payload = payload[:-1]
+            assert len(pickle.dumps(payload, protocol=5)) == size
+            assert writer.enqueue(payload, sent.append, timeout=0)
+            got = reader.dequeue(lambda p=payload: p, timeout=1)
+            assert got == payload
+        assert sent == [payload]  # only the 257-byte message took the fallback
     finally:
         reader.close()
         writer.close()
@@ -188,9 +208,6 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 
 
@@ -200,8 +217,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def test_tp_engine_with_slots_smaller_than_its_messages(tmp_path, monkeypatch):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path = write_config(tmp_path, MICRO_LLAMA_CONFIG)
     new = [("model.embed_tokens.weight", torch.randn(64, 32, generator=torch.Generator()
                                                      .manual_seed(0)))]  # 8 KiB: the fallback
     one = LLM(str(path), load_format="dummy", num_kv_blocks=8)

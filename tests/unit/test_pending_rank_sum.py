@@ -62,7 +62,7 @@ def test_fused_rank_sum_norm_is_sum_tree_then_add_norm(n: int, dtype: torch.dtyp
     for i, t in enumerate(ROWS):
         parts, residual, w = _case(n, (t,), dtype, seed=10 * n + i)
         pending = PendingRankSum(parts, dtype)
-        assert RN.sums_in_norm(pending)
+        assert RN.takes_rank_sum(pending)
         want = _unfused(ops, ops.sum_tree(parts, dtype), w, residual)
         got = ops.rms_norm(pending, w, EPS, residual)
         calls.append(RN.rank_sum_add_rms_norm(pending, residual, w, EPS))

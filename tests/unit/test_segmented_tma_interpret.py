@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-for _name in ("linear_kernels", "linear"):  # re-import under the interpreter if compiled before
+for _name in ("tree", "linear_kernels", "linear"):  # re-import under the interpreter if compiled before
     _full = f"samebits.ops.triton.{_name}"
     if _full in sys.modules:
         importlib.reload(sys.modules[_full])

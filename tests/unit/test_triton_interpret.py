@@ -26,9 +26,8 @@ triton = pytest.importorskip("triton")
 from samebits.ops import reference  # noqa: E402
 from samebits.ops.backend import AttentionMetadata, row_parallel_bounds, tree_sum  # noqa: E402
 
-_MODULES = ["activation", "attention_kernels", "attention", "gumbel", "linear_kernels", "linear",
-            "rms_norm", "rope",
-            "softmax"]
+_MODULES = ["activation", "attention_kernels", "attention", "gumbel", "tree", "linear_kernels",
+            "linear", "rms_norm", "rope", "softmax"]
 for _name in _MODULES:  # re-import under the interpreter if something imported them compiled
     _full = f"samebits.ops.triton.{_name}"
     if _full in sys.modules:
@@ -125,11 +124,12 @@ def test_fused_segment_tree_equals_the_split_schedule(dtype: torch.dtype, segs: 
     parts = torch.empty(segs, 70, 40)
     L.run(x, w, None, parts, CFG, layout)  # keep: the split schedule's partials
     want = (tree_sum(parts) + b.float()).to(dtype)
-    for m in (1, 5, 16, 33):
+    for m, schedule in ((1, "split"), (5, "split"), (16, "fused tree"), (33, "fused tree"),
+                        (70, "split")):
+        assert L.plan_of(x[:m], w, CFG, layout).schedule == schedule, m
         assert torch.equal(_lin(x[:m], w, b, segs=layout), want[:m]), m
-    assert torch.equal(_lin(x, w, b, segs=layout), want)  # 70 rows: the split schedule
     bounds = tuple((s * 64, s * 64 + 64) for s in range(segs))
-    assert torch.equal(L.linear_sum(x[:7], w, bounds), tree_sum(parts[:, :7]))
+    assert torch.equal(L.linear_sum(x[:33], w, bounds), tree_sum(parts[:, :33]))  # fused, fp32
     chain = torch.empty(1, 70, 40)
     L.run(x, w, None, chain, CFG, 1)  # one K chain: other bits
     assert not torch.equal(chain[0], tree_sum(parts))

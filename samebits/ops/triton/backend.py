@@ -85,7 +85,7 @@ class TritonBackend(InvariantEncoderOps):
         with a residual and a count the kernel takes, its tree sum and cast run in the same pass
         (the bits of ``sum_tree`` first); else it is resolved first."""
         if isinstance(x, PendingRankSum):
-            if residual is not None and rms_norm.sums_in_norm(x):
+            if residual is not None and rms_norm.takes_rank_sum(x):
                 return rms_norm.rank_sum_add_rms_norm(x, residual, w, eps)
             x = x.resolve(self)
         if residual is None:

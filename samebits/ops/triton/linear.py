@@ -158,7 +158,7 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
 
 def segmented_tma_config(segments: int) -> GemmConfig:
     """``_segmented_tma_kernel``'s tile for ``segments`` K segments (by its stack depth)."""
-    if not 1 <= segments <= SEGMENTED_TMA_MAX:
+    if not 2 <= segments <= SEGMENTED_TMA_MAX:  # one segment: the split schedule's tile
         return SEGMENTED_TILE
     return SEGMENTED_TMA_TILES[max(0, (segments - 1).bit_length() - 1)]
 
@@ -372,6 +372,28 @@ class _Plan:
     sum: _SumPlan | None = None
     seg_tma: bool = False  # the launch is _segmented_tma_kernel's
 
+    @property
+    def schedule(self) -> str:
+        """The kernel schedule: "tma" (one segment), "segmented tma", "split" (a partial per
+        segment, then the sum), "fused tree" (one program per tile walks its segments) or
+        "pointer" (one segment)."""
+        if self.tma or self.seg_tma:
+            return "segmented tma" if self.seg_tma else "tma"
+        if self.partials or self.grid[1] > 1:
+            return "split"
+        return "fused tree" if self.tail[10] > 1 else "pointer"
+
+
+def plan_of(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None,
+            segments: int | SegmentLayout | None = None) -> _Plan:
+    """The plan ``run`` makes for x [M, K] @ w.T into a new [M, N] output of x's dtype, no bias
+    (benchmarks and tests name the schedule and tile that ran)."""
+    m, k = x.shape
+    offsets = (x.data_ptr() & 15, w.data_ptr() & 15, x.data_ptr() & 15, 0)
+    return _plan(m, w.shape[0], k, x.dtype, w.dtype, x.dtype, False, None, x.stride(0),
+                 w.stride(0), w.shape[0], cfg, segments, programmatic(x), offsets,
+                 x.is_contiguous() and w.is_contiguous())
+
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
@@ -392,7 +414,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
                                                       contiguous):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
     if (cfg.tma and 1 < segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
-            and layout.even(k, cfg.block_k)
+            and layout.even(k, cfg.block_k) and layout.count * layout.base == k
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous, wide_out=True)):
         return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl)
     if cfg.tma and segs > 1:  # the split schedule's programs take the pointer kernel's tile

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from samebits.ops.triton.launcher import wait_for_inputs
+from samebits.ops.triton.tree import tree_push
 
 
 @triton.jit
@@ -69,28 +70,6 @@ def _segment_tree(x_ptr, w_ptr, offs_m, offs_n, SEG_BASE, K, stride_xm, stride_w
                          BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION)
         total, level0, level1, level2 = tree_push(v, s, level0, level1, level2)
     return total
-
-
-@triton.jit
-def tree_push(v, n: tl.constexpr, level0, level1, level2):
-    """Leaf ``n`` (value v) of a balanced tree of up to 8 leaves (a power of two), added in
-    ``samebits.ops.backend.tree_sum``'s order by a binary counter: v is added, right of them, to
-    the completed subtrees the trailing one bits of n name (pairs, then pairs of pairs), and the
-    result is kept at the level of n's lowest zero bit. Returns (the subtree sum that ends at
-    leaf n -- the whole tree's after the last leaf --, level0, level1, level2)."""
-    if n % 2 == 0:
-        level0 = v
-    else:
-        v = level0 + v
-        if n % 4 == 1:
-            level1 = v
-        else:
-            v = level1 + v
-            if n % 8 == 3:
-                level2 = v
-            else:
-                v = level2 + v
-    return v, level0, level1, level2
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from samebits.ops.triton.launcher import (
     programmatic,
     wait_for_inputs,
 )
-from samebits.ops.triton.linear_kernels import tree_push
+from samebits.ops.triton.tree import tree_push
 
 MAX_BLOCK = 65536
 # fma contraction on (the first butterfly step of the row sum fuses a lane's own square into the
@@ -231,7 +231,7 @@ _RANK_SUM_NORM = Launcher(_rank_sum_add_rms_norm_kernel)
 RANK_SUM_MAX = 8  # the most parts ``rank_tree`` adds (a power of two)
 
 
-def sums_in_norm(x: PendingRankSum) -> bool:
+def takes_rank_sum(x: PendingRankSum) -> bool:
     """Whether ``rank_sum_add_rms_norm`` takes ``x``: a power-of-two count up to RANK_SUM_MAX,
     into an fp32 / fp16 / bf16 sum (``sum_tree``'s kernel's outputs)."""
     n = x.count
@@ -243,7 +243,7 @@ def rank_sum_add_rms_norm(x: PendingRankSum, residual: torch.Tensor, w: torch.Te
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(sum_tree(x.parts, x.dtype), residual, w, eps)`` in one launch, bit for bit:
     the tree sum kernel's adds, one cast to x's dtype, then this module's add and norm over the
-    same tile shape. ``x`` must pass ``sums_in_norm``."""
+    same tile shape. ``x`` must pass ``takes_rank_sum``."""
     h = x.shape[-1]
     if residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for a rank sum of "
