@@ -113,5 +113,5 @@ def test_segmented_tma_tiles_fit_shared_memory(segs: int, out: torch.dtype) -> N
                            L.segmented_tma_config(segs), True)
     bm, bn, bk, stages = *plan.tail[5:8], plan.options["num_stages"]
     cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
-    assert L._smem_bytes(cfg, torch.bfloat16, out) <= L.SMEM_BYTES
+    assert L.smem_bytes(cfg, torch.bfloat16, out) <= L.SMEM_BYTES
     assert layout.even(512 * segs, bk)

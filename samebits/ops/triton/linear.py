@@ -24,13 +24,14 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
   given fp32 partials (the ranks' gathered sums) and casts, in ``_sum_partials_kernel``'s one
   launch where it takes the count.
 
-Tile shapes (BLOCK_M/N/K, warps, stages) follow the row count M for speed; on Hopper they do not
-change the bits (docs/DESIGN.md section 2, re-checked by tests/gpu/test_linear_bits.py). With one
-segment, rows above 64 take ``_linear_tma_kernel`` (persistent, TMA loads), smaller ones the
-pointer kernel. More than one segment above 64 rows, 16-bit and every segment whole BLOCK_K steps:
-``_segmented_tma_kernel`` (persistent, TMA loads) adds the partials in registers in the same tree
-order, casts and stores once -- the same bits as the split schedule, without the [S, M, N]
-buffer and the sum kernel; other segmented products take the split schedule.
+Tile shapes (BLOCK_M/N/K, warps, stages: ``linear_tiles.py``) follow the row count M for speed; on
+Hopper they do not change the bits (docs/DESIGN.md section 2, re-checked by
+tests/gpu/test_linear_bits.py). With one segment, rows above 64 take ``_linear_tma_kernel``
+(persistent, TMA loads), smaller ones the pointer kernel. More than one segment above 64 rows,
+16-bit and every segment whole BLOCK_K steps: ``_segmented_tma_kernel`` (persistent, TMA loads)
+adds the partials in registers in the same tree order, casts and stores once -- the same bits as
+the split schedule, without the [S, M, N] buffer and the sum kernel; other segmented products take
+the split schedule.
 """
 
 from __future__ import annotations
@@ -41,152 +42,33 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, check_k_bounds, tree_sum
+from samebits.ops.backend import KBounds, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
+from samebits.ops.triton.linear_tiles import (  # noqa: F401 -- the tile policy, re-exported
+    FUSED_MAX_SEGS,
+    FUSED_MIN_M,
+    MAX_STAGES,
+    MIN_BLOCK_K,
+    PREFETCH,
+    SEGMENT_ALIGN,
+    SEGMENTED_TILE,
+    SEGMENTED_TMA_MAX,
+    SEGMENTED_TMA_TILES,
+    SMEM_BYTES,
+    SPLIT_MAX_M,
+    GemmConfig,
+    SegmentLayout,
+    num_segments,
+    pick_config,
+    segment_len,
+    segmented_config,
+    segmented_tma_config,
+    smem_bytes,
+    uniform_layout,
+)
 
-SEGMENT_ALIGN = 256  # segment lengths are multiples of this (every BLOCK_K divides it)
-SPLIT_MAX_M = 64  # above this many rows, segmented K takes the segmented TMA kernel
-SEGMENTED_TMA_MAX = 16  # the most segments _segmented_tma_kernel sums (its stack: 4 entries)
-MIN_BLOCK_K, MAX_STAGES = 32, 8  # the smallest BLOCK_K and most stages a segmented tile takes
-# from FUSED_MIN_M + 1 to SPLIT_MAX_M rows, up to FUSED_MAX_SEGS even segments are tree-summed in
-# registers; GEMVs keep the split schedule, whose S times more programs are faster there (H100,
-# Qwen3-8B at TP 2, M = 1: o_proj 10.3 us split, 11.2 fused; M = 64: 14.7 split, 10.3 fused)
-FUSED_MIN_M, FUSED_MAX_SEGS = 8, 8
-SMEM_BYTES = 226 * 1024  # shared memory a Hopper program may take, less a margin for barriers
 TREE_KERNEL_MAX = 64  # the most segments _sum_partials_kernel adds (a power of two)
-PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-    tma: bool = False  # persistent TMA kernel (16-bit dtypes, 16-byte aligned rows)
-    prefetch: int = 0  # bytes of its weight rows a program asks L2 for before its input is ready
-
-    def __post_init__(self) -> None:
-        threads = self.num_warps * 32
-        if self.prefetch and (threads % self.block_n or self.prefetch % (16 * threads)):
-            raise ValueError(f"prefetch needs BLOCK_N | threads and 16 * threads | bytes: {self}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentLayout:
-    """``count`` K segments: segment s starts at ``s * base + min(s, extra)`` and has ``base``
-    columns, one more when s < extra; the last one is clipped to K."""
-
-    count: int
-    base: int
-    extra: int = 0
-
-    def __post_init__(self) -> None:
-        if self.count < 1 or self.base < 1 or not 0 <= self.extra < self.count:
-            raise ValueError(f"bad segment layout {self}")
-
-    @classmethod
-    def uniform(cls, k: int, segments: int) -> SegmentLayout:
-        """``segments`` segments of a multiple of SEGMENT_ALIGN columns (fewer if K is short)."""
-        seg_k = -(-k // (segments * SEGMENT_ALIGN)) * SEGMENT_ALIGN
-        return cls(-(-k // seg_k), seg_k)
-
-    @classmethod
-    @functools.lru_cache(maxsize=256)
-    def from_bounds(cls, k_bounds: KBounds, k: int) -> SegmentLayout:
-        """The layout of near-equal ``k_bounds`` (lengths q+1 ... then q ...); else ValueError."""
-        check_k_bounds(k_bounds, k)
-        lengths = [hi - lo for lo, hi in k_bounds]
-        base, extra = min(lengths), sum(1 for n in lengths if n > min(lengths))
-        layout = cls(len(lengths), base, extra)
-        if lengths != [base + (s < extra) for s in range(len(lengths))]:
-            raise ValueError(f"the Triton linear takes near-equal K segments, got {k_bounds}")
-        return layout
-
-    def even(self, k: int, block_k: int) -> bool:
-        """Every segment a whole number of BLOCK_K steps (the kernel's loads need no masks)."""
-        return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
-
-
-# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs)
-SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
-# _segmented_tma_kernel's tiles by stack depth (ceil(log2 S): 1 .. 4 fp32 tiles held besides the
-# accumulator; 8 warps hold 64 registers per 128x128 fp32 tile): the fastest of a sweep at
-# M = 2048 (H100, benchmarks/segmented_linear.py --sweep; Qwen3-8B's TP 2 o_proj / down_proj for
-# 4 segments, TP 1 o_proj for 8); 9-16 segments: compiled without spills, not timed.
-SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 128, 8, 3, tma=True),
-                       GemmConfig(128, 128, 128, 8, 3, tma=True),
-                       GemmConfig(64, 128, 128, 4, 4, tma=True),
-                       GemmConfig(64, 64, 64, 4, 4, tma=True))
-
-
-def num_segments(k: int, n: int) -> int:
-    """Ordered K segments: a function of the weight shape alone (never of M).
-
-    One everywhere: on the H200 an ordered split-K never beat the best single-segment tile
-    (benchmarks/NOTES-kernels.md). The machinery stays tested for shapes that may need it.
-    """
-    return 1
-
-
-def segment_len(k: int, n: int) -> int:
-    s = num_segments(k, n)
-    return -(-k // (s * SEGMENT_ALIGN)) * SEGMENT_ALIGN
-
-
-def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: SegmentLayout
-                     ) -> GemmConfig:
-    """The tile of a segmented product (free to vary: it does not change the bits): above
-    SPLIT_MAX_M rows (16-bit) ``segmented_tma_config``'s (the pointer kernel's SEGMENTED_TILE
-    where the TMA kernel cannot run it), else the small-M schedules' -- with the largest BLOCK_K
-    up to the tile's own that makes ``layout`` even: a segment that is not a whole number of
-    BLOCK_K steps takes masked loads the compiler cannot vectorize (several times slower; e.g.
-    Qwen3-32B's down_proj at TP 2, 3200 columns a segment)."""
-    cfg = segmented_tma_config(layout.count) if m > SPLIT_MAX_M and dtype != torch.float32 \
-        else pick_config(m, n, k, dtype)
-    block_k = cfg.block_k
-    while not layout.even(k, block_k) and block_k > MIN_BLOCK_K:
-        block_k //= 2
-    if block_k == cfg.block_k or not layout.even(k, block_k):
-        return cfg
-    stages = min(MAX_STAGES, cfg.num_stages * cfg.block_k // block_k)  # the same bytes in flight
-    return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
-
-
-def segmented_tma_config(segments: int) -> GemmConfig:
-    """``_segmented_tma_kernel``'s tile for ``segments`` K segments (by its stack depth)."""
-    if not 2 <= segments <= SEGMENTED_TMA_MAX:  # one segment: the split schedule's tile
-        return SEGMENTED_TILE
-    return SEGMENTED_TMA_TILES[max(0, (segments - 1).bit_length() - 1)]
-
-
-@functools.lru_cache(maxsize=4096)
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """Tile shape for an M-row product (free to vary: it does not change the bits)."""
-    if dtype == torch.float32:  # FMA path: small tiles, BLOCK_K divides SEGMENT_ALIGN
-        return GemmConfig(32 if m <= 32 else 64, 64, 32, 4, 3)
-    if m <= 8:
-        if n < 24576:
-            return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
-        return GemmConfig(16, 64, 128, 4, 5, prefetch=PREFETCH)
-    if m <= 16:
-        return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
-    if m <= 32:
-        return GemmConfig(32, 32, 256, 4, 4, prefetch=PREFETCH)
-    if m <= 64:  # N <= 4096: 32-column tiles, else 64 tiles would leave half the SMs idle
-        if n <= 4096:
-            return GemmConfig(64, 32, 256, 4, 4, prefetch=PREFETCH)
-        return GemmConfig(64, 64, 128, 4, 4, prefetch=PREFETCH)
-    if m <= 128:  # tiles picked on H200 and H100 sweeps (benchmarks/NOTES-kernels.md)
-        if n <= 4096:
-            return GemmConfig(64, 64, 128, 4, 6, tma=True)
-        return GemmConfig(64, 128, 128, 4, 4, tma=True)
-    if m <= 1024 and n < 16384:
-        return GemmConfig(64, 128, 128, 4, 4, tma=True)
-    return GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -408,7 +290,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     has_bias, wide, align = b_dtype is not None, m * n >= 2 ** 31, alignment(*offsets)
     cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
     segments = num_segments(k, n) if segments is None else segments
-    layout = _uniform(k, segments) if isinstance(segments, int) else segments
+    layout = uniform_layout(k, segments) if isinstance(segments, int) else segments
     segs = layout.count
     if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
                                                       contiguous):
@@ -484,7 +366,7 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
     """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias. A tile whose
     stages and output staging buffer overflow shared memory (an fp32 output is twice a bf16
     one) takes half the BLOCK_K and up to twice the stages less one (at most 4)."""
-    while _smem_bytes(cfg, x_dtype, out_dtype) > SMEM_BYTES and cfg.block_k > MIN_BLOCK_K:
+    while smem_bytes(cfg, x_dtype, out_dtype) > SMEM_BYTES and cfg.block_k > MIN_BLOCK_K:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2,
                                   num_stages=min(2 * cfg.num_stages - 1, 4))
     programs = _programs(m, n, cfg)
@@ -496,22 +378,11 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
     return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True)
 
 
-def _smem_bytes(cfg: GemmConfig, x_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
-    """Shared memory of a TMA tile: its stages of x and w blocks, and the output staging tile."""
-    stage = (cfg.block_m + cfg.block_n) * cfg.block_k * x_dtype.itemsize
-    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * out_dtype.itemsize
-
-
 def _programs(m: int, n: int, cfg: GemmConfig) -> int:
     """A persistent kernel's program count: one per SM, at most one per output tile."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return min(tiles, _num_sms(torch.cuda.current_device()) if torch.cuda.is_initialized()
                else 4)
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform(k: int, segments: int) -> SegmentLayout:
-    return SegmentLayout.uniform(k, segments)
 
 
 _LINEAR = Launcher(K._linear_kernel)
