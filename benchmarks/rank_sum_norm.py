@@ -15,35 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from samebits.ops.pending_rank_sum import PendingRankSum
-from samebits.ops.triton import launcher
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timer import graph_us  # noqa: E402
+
+from samebits.ops.pending_rank_sum import PendingRankSum  # noqa: E402
 from samebits.ops.triton.backend import TritonBackend
 
 OPS = TritonBackend()
 EPS = 1e-6
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """One graph of ``reps`` calls captured under ``as_captured``, replayed 5 times: us per call."""
-    with launcher.as_captured():
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), launcher.as_captured():
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
 
 
 def row(n: int, m: int, h: int) -> dict:
@@ -59,7 +43,7 @@ def row(n: int, m: int, h: int) -> dict:
         return OPS.rms_norm(OPS.sum_tree(parts, torch.bfloat16), w, EPS, residual)
 
     equal = all(torch.equal(a, b) for a, b in zip(fused(), unfused(), strict=True))
-    f_us, u_us = graph_us(fused), graph_us(unfused)
+    f_us, u_us = graph_us(fused, captured=True), graph_us(unfused, captured=True)
     moved = n * m * h * 4 + 3 * m * h * 2
     return {"bench": "rank_sum_norm", "parts": n, "rows": m, "hidden": h, "fused_us": round(f_us, 2),
             "unfused_us": round(u_us, 2), "fused_over_unfused": round(f_us / u_us, 3),

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timer import graph_us  # noqa: E402
 
 from samebits.ops.backend import row_parallel_bounds
 from samebits.ops.triton import linear as L
@@ -35,25 +39,6 @@ def shapes(cfg: dict, tp: int) -> dict[str, tuple[int, int, bool]]:
     return {"qkv": (h, (heads + 2 * kv) * d // tp, False), "o_proj": (heads * d // tp, h, True),
             "gate_up": (h, 2 * inter // tp, False), "down_proj": (inter // tp, h, True),
             "lm_head": (h, v // tp, False)}
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Median-free: one graph of ``reps`` calls, replayed 5 times, microseconds per call."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
 
 
 def copy_gb_s() -> float:
