@@ -149,8 +149,8 @@ def host_gap_us(llm: LLM, prompts: list[list[int]], temperature: float, tokens: 
 
 
 def linear_prefetch_kb() -> int:
-    from samebits.ops.triton import linear
-    return linear.PREFETCH // 1024
+    from samebits.ops.triton import linear_tiles
+    return linear_tiles.PREFETCH // 1024
 
 
 def main() -> None:
@@ -170,11 +170,11 @@ def main() -> None:
                    help="launch without programmatic dependent launch (A/B)")
     p.add_argument("--prefetch-kb", type=int, default=None,
                    help="weight KiB a GEMV program prefetches before its input is ready "
-                        "(default: samebits.ops.triton.linear.PREFETCH)")
+                        "(default: samebits.ops.triton.linear_tiles.PREFETCH)")
     args = p.parse_args()
-    if args.prefetch_kb is not None:
-        from samebits.ops.triton import linear
-        linear.PREFETCH = args.prefetch_kb * 1024
+    if args.prefetch_kb is not None:  # before the first tile is picked (pick_config caches)
+        from samebits.ops.triton import linear_tiles
+        linear_tiles.PREFETCH = args.prefetch_kb * 1024
     if args.no_pdl:
         from samebits.ops.triton import launcher
         launcher._programmatic_device = lambda index: False

@@ -173,7 +173,13 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs (A/B)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256, 2048],
                    help="layer: token counts")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without programmatic dependent launch: each kernel's profiled "
+                        "time is then its own, not also its wait for the previous one")
     args = p.parse_args()
+    if args.no_pdl:
+        from samebits.ops.triton import launcher
+        launcher._programmatic_device = lambda index: False
     bandwidth = copy_bandwidth()
     if args.part in ("layer", "all"):
         layer(args, bandwidth)
