@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from samebits.ops.triton.launcher import wait_for_inputs
-from samebits.ops.triton.tree import tree_push
+from samebits.ops.triton.tree import tree_push, tree_step
 
 
 @triton.jit
@@ -56,20 +56,18 @@ def _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
 def _segment_tree(x_ptr, w_ptr, offs_m, offs_n, SEG_BASE, K, stride_xm, stride_wn,
                   NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """``tree_sum`` of the fp32 partials of NUM_SEGS (a power of two up to 8) even segments of
-    SEG_BASE columns, in registers: segment s's partial is added to the completed subtrees that
-    the trailing one bits of s name, left + right (pairs, then pairs of pairs): the binary-counter
-    form of the balanced tree, the very adds ``_sum_partials_kernel`` makes."""
-    level0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    level1 = level0
-    level2 = level0
-    total = level0
+    """``tree_sum`` of the fp32 partials of NUM_SEGS even segments of SEG_BASE columns, added
+    in registers as each is computed (``tree.tree_push``): the split schedule's adds."""
+    s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    s3 = s0
     for s in tl.static_range(NUM_SEGS):
         k_lo, k_hi = _segment_range(s, SEG_BASE, 0, K, True)
         v = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
                          BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION)
-        total, level0, level1, level2 = tree_push(v, s, level0, level1, level2)
-    return total
+        s0, s1, s2, s3 = tree_push(v, s0, s1, s2, s3, NUM_SEGS, s)
+    return s0
 
 
 @triton.jit
@@ -213,67 +211,6 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.co
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
 
-@triton.constexpr_function
-def _tree_leaf(n, s):
-    """16 * depth + merges for leaf ``s`` of ``samebits.ops.backend.tree_sum``'s tree over ``n``
-    partials (tree(p[lo..hi)) = tree(p[lo..h)) + tree(p[h..hi)), h = lo + ceil((hi - lo) / 2)),
-    evaluated in post order on a stack: partial s is pushed onto ``depth`` entries, then
-    ``merges`` times the top two are replaced by their sum (lower entry + top)."""
-    steps = []
-    depth = 0
-    todo = [(0, n, False)]  # (lo, hi, children done): an explicit post-order walk
-    while todo:
-        lo, hi, done = todo.pop()
-        if hi - lo == 1:
-            steps.append([depth, 0])
-            depth += 1
-        elif done:
-            steps[-1][1] += 1
-            depth -= 1
-        else:
-            h = lo + (hi - lo + 1) // 2
-            todo += [(lo, hi, True), (h, hi, False), (lo, h, False)]
-    return 16 * steps[s][0] + steps[s][1]
-
-
-@triton.jit
-def _slot(s0, s1, s2, s3, AT: tl.constexpr):
-    """Stack entry ``AT`` (a compile-time index) of the four named entries."""
-    if AT == 0:
-        v = s0
-    elif AT == 1:
-        v = s1
-    elif AT == 2:
-        v = s2
-    else:
-        v = s3
-    return v
-
-
-@triton.jit
-def _tree_step(acc, s0, s1, s2, s3, take, NUM_SEGS: tl.constexpr, SEG: tl.constexpr):
-    """Where ``take`` (a scalar: the partial ``acc`` is segment SEG's): push ``acc`` on the stack
-    (s0 .. s3, bottom first) and apply the tree's merges ending at SEG (each: lower entry + top);
-    returns the stack, unchanged where not ``take``. Branch-free (selects): a branch here would
-    make the compiler copy the accumulator while its MMA is in flight."""
-    LEAF: tl.constexpr = _tree_leaf(NUM_SEGS, SEG)
-    DEPTH: tl.constexpr = LEAF // 16
-    MERGES: tl.constexpr = LEAF % 16
-    v = acc
-    for j in tl.static_range(MERGES):
-        v = _slot(s0, s1, s2, s3, DEPTH - 1 - j) + v
-    TOP: tl.constexpr = DEPTH - MERGES
-    if TOP == 0:
-        s0 = tl.where(take, v, s0)
-    elif TOP == 1:
-        s1 = tl.where(take, v, s1)
-    elif TOP == 2:
-        s2 = tl.where(take, v, s2)
-    else:
-        s3 = tl.where(take, v, s3)
-    return s0, s1, s2, s3
-
-
 @triton.jit(do_not_specialize=["M"])
 def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -294,7 +231,6 @@ def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS
     width = GROUP_M * grid_n
     # the accumulator (zero again after each segment's last step) and the stack (a tile writes
     # an entry before it reads it): zeroing before a step would stall the MMA pipeline
-    tl.static_assert(NUM_SEGS <= 16)  # the tree's stack then holds at most 4 entries
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s0 = acc
     s1 = acc
@@ -312,6 +248,6 @@ def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS
             if kk % SEG_TILES == SEG_TILES - 1:  # a segment's last step: its partial joins
                 seg = kk // SEG_TILES  # the tree and the accumulator restarts from zero
                 for s in tl.static_range(NUM_SEGS):
-                    s0, s1, s2, s3 = _tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
+                    s0, s1, s2, s3 = tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], s0.to(out_desc.dtype))

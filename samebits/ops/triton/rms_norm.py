@@ -93,17 +93,16 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, H, stride_x, stri
 
 @triton.jit
 def rank_tree(p_ptr, offs, mask, stride_n, NUM: tl.constexpr):
-    """``tree_sum`` of the NUM fp32 tiles ``p_ptr + n stride_n + offs`` (n < NUM, a power of two
-    up to 8): pairs (0, 1), (2, 3) ..., then pairs of pairs -- the adds of the tree sum kernel
-    (``_sum_partials_kernel``), kept on a stack of one pending sum per level."""
-    v = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    level0 = v
-    level1 = v
-    level2 = v
+    """``tree_sum`` of the NUM fp32 tiles ``p_ptr + n stride_n + offs`` (n < NUM), added as they
+    load (``tree.tree_push``): the adds of the tree sum kernel (``_sum_partials_kernel``)."""
+    s0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    s1 = s0
+    s2 = s0
+    s3 = s0
     for n in tl.static_range(1, NUM):
         v = tl.load(p_ptr + n * stride_n + offs, mask=mask, other=0.0)
-        v, level0, level1, level2 = tree_push(v, n, level0, level1, level2)
-    return v
+        s0, s1, s2, s3 = tree_push(v, s0, s1, s2, s3, NUM, n)
+    return s0
 
 
 @triton.jit(do_not_specialize=["M"])

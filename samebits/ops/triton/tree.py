@@ -1,6 +1,10 @@
-"""The balanced tree of ``samebits.ops.backend.tree_sum`` inside a Triton kernel, one leaf at a
-time: kernels that produce partials in order (K segments, gathered rank sums) add them as they
-come, in the tree's order, holding one pending subtree sum per level."""
+"""``samebits.ops.backend.tree_sum``'s balanced tree inside a Triton kernel, one leaf at a time:
+kernels that produce partials in order (K segments, gathered rank sums) add them as they come, in
+the tree's order, on a stack of up to four pending subtree sums (trees of up to 16 leaves).
+
+``tree_leaf`` walks the tree in post order at compile time: leaf s is pushed onto ``depth``
+entries, then ``merges`` times the top two are replaced by their sum (lower entry + top). After
+the last leaf, entry 0 holds the tree's sum."""
 
 from __future__ import annotations
 
@@ -8,24 +12,89 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def tree_push(v, n: tl.constexpr, level0, level1, level2):
-    """Leaf ``n`` (value v) of a balanced tree of up to 8 leaves (a power of two), added in
-    ``samebits.ops.backend.tree_sum``'s order by a binary counter: v is added, right of them, to
-    the completed subtrees the trailing one bits of n name (pairs, then pairs of pairs), and the
-    result is kept at the level of n's lowest zero bit. Returns (the subtree sum that ends at
-    leaf n -- the whole tree's after the last leaf --, level0, level1, level2)."""
-    tl.static_assert(n < 8, "tree_push holds three levels: trees of up to 8 leaves")
-    if n % 2 == 0:
-        level0 = v
-    else:
-        v = level0 + v
-        if n % 4 == 1:
-            level1 = v
+@triton.constexpr_function
+def tree_leaf(n, s):
+    """16 * depth + merges for leaf ``s`` of the tree over ``n`` leaves (tree(p[lo..hi)) =
+    tree(p[lo..h)) + tree(p[h..hi)), h = lo + ceil((hi - lo) / 2))."""
+    steps = []
+    depth = 0
+    todo = [(0, n, False)]  # (lo, hi, children done): an explicit post-order walk
+    while todo:
+        lo, hi, done = todo.pop()
+        if hi - lo == 1:
+            steps.append([depth, 0])
+            depth += 1
+        elif done:
+            steps[-1][1] += 1
+            depth -= 1
         else:
-            v = level1 + v
-            if n % 8 == 3:
-                level2 = v
-            else:
-                v = level2 + v
-    return v, level0, level1, level2
+            h = lo + (hi - lo + 1) // 2
+            todo += [(lo, hi, True), (h, hi, False), (lo, h, False)]
+    return 16 * steps[s][0] + steps[s][1]
+
+
+@triton.jit
+def _slot(s0, s1, s2, s3, AT: tl.constexpr):
+    """Stack entry ``AT`` (a compile-time index) of the four named entries."""
+    if AT == 0:
+        v = s0
+    elif AT == 1:
+        v = s1
+    elif AT == 2:
+        v = s2
+    else:
+        v = s3
+    return v
+
+
+@triton.constexpr_function
+def _top(n, s):
+    """The entry leaf ``s`` of ``n`` lands on once its merges are done."""
+    code = tree_leaf(n, s)
+    return code // 16 - code % 16
+
+
+@triton.jit
+def _merged(v, s0, s1, s2, s3, NUM: tl.constexpr, LEAF: tl.constexpr):
+    """Leaf LEAF's value ``v`` after the tree's merges that end at it."""
+    tl.static_assert(NUM <= 16, "the stack holds four entries: trees of up to 16 leaves")
+    CODE: tl.constexpr = tree_leaf(NUM, LEAF)
+    DEPTH: tl.constexpr = CODE // 16
+    for j in tl.static_range(CODE % 16):
+        v = _slot(s0, s1, s2, s3, DEPTH - 1 - j) + v
+    return v
+
+
+@triton.jit
+def tree_push(v, s0, s1, s2, s3, NUM: tl.constexpr, LEAF: tl.constexpr):
+    """Push leaf LEAF (a compile-time index) of NUM; returns the stack (s0 .. s3, bottom
+    first)."""
+    v = _merged(v, s0, s1, s2, s3, NUM, LEAF)
+    TOP: tl.constexpr = _top(NUM, LEAF)
+    if TOP == 0:
+        s0 = v
+    elif TOP == 1:
+        s1 = v
+    elif TOP == 2:
+        s2 = v
+    else:
+        s3 = v
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def tree_step(acc, s0, s1, s2, s3, take, NUM: tl.constexpr, LEAF: tl.constexpr):
+    """``tree_push`` where the scalar ``take`` holds (``acc`` is leaf LEAF), the stack unchanged
+    elsewhere. Branch-free (selects): a branch here makes the compiler copy an accumulator whose
+    MMA is in flight."""
+    v = _merged(acc, s0, s1, s2, s3, NUM, LEAF)
+    TOP: tl.constexpr = _top(NUM, LEAF)
+    if TOP == 0:
+        s0 = tl.where(take, v, s0)
+    elif TOP == 1:
+        s1 = tl.where(take, v, s1)
+    elif TOP == 2:
+        s2 = tl.where(take, v, s2)
+    else:
+        s3 = tl.where(take, v, s3)
+    return s0, s1, s2, s3
