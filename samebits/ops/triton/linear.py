@@ -45,25 +45,19 @@ import triton
 from samebits.ops.backend import KBounds, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
-from samebits.ops.triton.linear_tiles import (  # noqa: F401 -- the tile policy, re-exported
+from samebits.ops.triton.linear_tiles import (
     FUSED_MAX_SEGS,
     FUSED_MIN_M,
-    MAX_STAGES,
     MIN_BLOCK_K,
-    PREFETCH,
-    SEGMENT_ALIGN,
     SEGMENTED_TILE,
     SEGMENTED_TMA_MAX,
-    SEGMENTED_TMA_TILES,
     SMEM_BYTES,
     SPLIT_MAX_M,
     GemmConfig,
     SegmentLayout,
     num_segments,
     pick_config,
-    segment_len,
     segmented_config,
-    segmented_tma_config,
     smem_bytes,
     uniform_layout,
 )
@@ -95,32 +89,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
     """[S, ..., N] fp32: each K segment's partial, the very values ``linear`` with ``k_bounds``
     adds."""
-    *lead, k = x.shape
-    n = w.shape[0]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    layout = SegmentLayout.from_bounds(k_bounds, k)
-    out = x.new_empty(layout.count, m, n, dtype=torch.float32)
-    if m and n:
-        run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
-    return out.reshape(layout.count, *lead, n)
+    return _fp32_product(x, w, SegmentLayout.from_bounds(k_bounds, x.shape[-1]), keep=True)
 
 
 def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
     """[..., N] fp32: ``tree_sum(partials(x, w, k_bounds))``, uncast (a tensor-parallel rank's
-    sum of its own segments): the GEMM writes the partials, ``_sum_partials_kernel`` adds them
-    into the fp32 output in one launch (``tree_sum`` for counts it does not take)."""
+    sum of its own segments), in the schedule ``run`` picks (the partials tree-summed in
+    registers, or written and summed by ``_sum_partials_kernel``)."""
+    layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
+    if layout.count == 1:  # the one partial, by the split schedule's program
+        return _fp32_product(x, w, layout, keep=True)[0]
+    return _fp32_product(x, w, layout, keep=False)
+
+
+def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool
+                  ) -> torch.Tensor:
+    """x [..., K] @ w.T over ``layout``'s segments in fp32: [S, ..., N] partials (``keep``), or
+    their tree sum [..., N]."""
     *lead, k = x.shape
     n = w.shape[0]
-    layout = SegmentLayout.from_bounds(k_bounds, k)
-    if layout.count == 1:
-        return partials(x, w, k_bounds)[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    out = x2.new_empty(m, n, dtype=torch.float32)
+    parts = (layout.count,) if keep else ()
+    out = x2.new_empty(*parts, m, n, dtype=torch.float32)
     if m and n:
         run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
-    return out.reshape(*lead, n)
+    return out.reshape(*parts, *lead, n)
 
 
 def sum_tree(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,11 +157,8 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
               None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
               segments, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
-    if p.tma:
-        _run_tma(p, x, w, bias, out, (px, pw, po, pb), device)
-        return
-    if p.seg_tma:
-        _run_seg_tma(p, x, w, out, (px, pw, po), device)
+    if p.tma or p.seg_tma:
+        _run_tma(p, x, w, bias, out, (px, pw, po) + (() if p.seg_tma else (pb,)), device)
         return
     target, pt = out, po
     if p.partials:
@@ -185,44 +176,29 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         _SUM_PARTIALS(p.sum.key, p.sum.grid, target, bias, out, *p.sum.tail, **p.sum.options)
 
 
-def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-             ptrs: tuple[int, int, int, int], device: int) -> None:
-    """The persistent TMA launch of plan ``p``; ``ptrs``: the data pointers of x, w, out and the
-    bias. The C launcher's arguments (the tensor maps of x, w and out encoded) are built once per
-    (plan, addresses)."""
-    direct = _TMA.direct(p.key, device)
-    if direct is None:
-        (bm, bk), (bn, _) = p.blocks
-        _TMA(p.key, p.grid, Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)),
-             Descriptor(out, (bm, bn)), bias, *p.tail, **p.options)
-        return
-    where = (_TMA, p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
-    args = _TMA_ARGS.get(where)
-    if args is None:
-        if len(_TMA_ARGS) >= TMA_ARGS_KEPT:
-            _TMA_ARGS.clear()
-        (bm, bk), (bn, _) = p.blocks
-        maps = direct.tensor_maps(
-            (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))))
-        args = _TMA_ARGS[where] = (*maps, ptrs[3], *p.tail)
-    direct(p.grid, args)
-
-
-def _run_seg_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                 ptrs: tuple[int, int, int], device: int) -> None:
-    """``_run_tma`` for ``_segmented_tma_kernel`` (no bias argument)."""
+def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor, ptrs: tuple[int, ...], device: int) -> None:
+    """The persistent TMA launch of plan ``p`` (``_linear_tma_kernel``, or with ``bias`` None
+    ``_segmented_tma_kernel``); ``ptrs``: the data pointers of x, w, out (and the bias). The C
+    launcher's arguments (the tensor maps of x, w and out encoded) are built once per (kernel,
+    plan, addresses)."""
+    launcher = _SEG_TMA if p.seg_tma else _TMA
+    extra = () if p.seg_tma else (bias,)
     (bm, bk), (bn, _) = p.blocks
-    descs = (Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn)))
-    direct = _SEG_TMA.direct(p.key, device)
+
+    def descriptors() -> tuple[Descriptor, ...]:
+        return Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))
+
+    direct = launcher.direct(p.key, device)
     if direct is None:
-        _SEG_TMA(p.key, p.grid, *descs, *p.tail, **p.options)
+        launcher(p.key, p.grid, *descriptors(), *extra, *p.tail, **p.options)
         return
-    where = (_SEG_TMA, p.key, p.tail[0], *ptrs)
+    where = (launcher, p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
     args = _TMA_ARGS.get(where)
     if args is None:
         if len(_TMA_ARGS) >= TMA_ARGS_KEPT:
             _TMA_ARGS.clear()
-        args = _TMA_ARGS[where] = (*direct.tensor_maps(descs), *p.tail)
+        args = _TMA_ARGS[where] = (*direct.tensor_maps(descriptors()), *ptrs[3:], *p.tail)
     direct(p.grid, args)
 
 
@@ -253,6 +229,7 @@ class _Plan:
     partials: int = 0
     sum: _SumPlan | None = None
     seg_tma: bool = False  # the launch is _segmented_tma_kernel's
+    fused: bool = False  # _linear_kernel's programs each walk all their tile's segments
 
     @property
     def schedule(self) -> str:
@@ -263,7 +240,7 @@ class _Plan:
             return "segmented tma" if self.seg_tma else "tma"
         if self.partials or self.grid[1] > 1:
             return "split"
-        return "fused tree" if self.tail[10] > 1 else "pointer"
+        return "fused tree" if self.fused else "pointer"
 
 
 def plan_of(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None,
@@ -318,7 +295,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
             cfg.group_m, even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
             cfg.num_warps * 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options)
+    plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options, fused=fused)
     if not fresh:
         return plan
     summed = None
