@@ -25,6 +25,7 @@ for _name in ("tree", "linear_kernels", "linear"):  # re-import under the interp
         importlib.reload(sys.modules[_full])
 from samebits.ops.backend import row_parallel_bounds, tree_sum  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
+from samebits.ops.triton import linear_tiles  # noqa: E402
 
 SPLIT = L.GemmConfig(16, 16, 32, 4, 2)  # the pointer kernel's split schedule
 TMA = L.GemmConfig(16, 16, 32, 4, 2, tma=True)  # the same BLOCK_K, the segmented TMA kernel
@@ -110,7 +111,7 @@ def test_segmented_tma_tiles_fit_shared_memory(segs: int, out: torch.dtype) -> N
     output staging tile (fp32 for ``linear_sum``, twice a bf16 one)."""
     layout = L.SegmentLayout(segs, 512)
     plan = L._seg_tma_plan(8192, 4096, 512 * segs, torch.bfloat16, torch.bfloat16, out, layout,
-                           L.segmented_tma_config(segs), True)
+                           linear_tiles.segmented_tma_config(segs), True)
     bm, bn, bk, stages = *plan.tail[5:8], plan.options["num_stages"]
     cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
     assert L.smem_bytes(cfg, torch.bfloat16, out) <= L.SMEM_BYTES

@@ -37,6 +37,7 @@ from samebits.ops.triton import activation as ACT  # noqa: E402
 from samebits.ops.triton import attention as A  # noqa: E402
 from samebits.ops.triton import gumbel as G  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
+from samebits.ops.triton import linear_tiles  # noqa: E402
 from samebits.ops.triton import rms_norm as RN  # noqa: E402
 from samebits.ops.triton import rope as ROPE  # noqa: E402
 from samebits.ops.triton import softmax as SM  # noqa: E402
@@ -106,7 +107,7 @@ def test_segmented_tiles_take_a_block_k_that_divides_every_segment(m: int) -> No
     assert layout.even(12800, cfg.block_k) and cfg.block_k >= 64
     even = L.SegmentLayout.from_bounds(row_parallel_bounds(6144, 4), 6144)  # 8B: already even
     assert L.segmented_config(m, 4096, 6144, torch.bfloat16, even).block_k == \
-        (L.segmented_tma_config(4) if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
+        (linear_tiles.segmented_tma_config(4) if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
                                                                           torch.bfloat16)).block_k
 
 
