@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.pending_rank_sum import PendingRankSum  # noqa: E402
-from samebits.ops.triton import launcher  # noqa: E402
 from samebits.ops.triton.backend import TritonBackend  # noqa: E402
+from tests.gpu.captured import capture_as_engine  # noqa: E402
 
 OPS = TritonBackend()
 H, EPS, BF16 = 4096, 1e-6, torch.bfloat16
@@ -75,12 +75,7 @@ def test_fused_rank_sum_norm_replayed_from_a_graph_equals_eager(n, m):
                             residual)
 
     static = torch.randn(m, 4096, device="cuda", generator=g).to(BF16)
-    with launcher.as_captured():
-        step(static)  # the warm-up compiles the captured variants
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), launcher.as_captured():
-        out = step(static)
+    graph, out = capture_as_engine(step, static)
     for seed in range(3):
         fresh = torch.randn(m, 4096, device="cuda",
                             generator=torch.Generator(device="cuda").manual_seed(100 + seed))

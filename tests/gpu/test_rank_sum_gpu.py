@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from samebits.distributed.group import TPGroup  # noqa: E402
 from samebits.models.parallel import RowParallelLinear  # noqa: E402
 from samebits.ops.backend import row_parallel_bounds, tree_sum  # noqa: E402
-from samebits.ops.triton import launcher  # noqa: E402
 from samebits.ops.triton.backend import TritonBackend  # noqa: E402
+from tests.gpu.captured import capture_as_engine  # noqa: E402
 
 OPS = TritonBackend()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -92,12 +92,7 @@ def test_rank_sum_replayed_from_a_graph_equals_eager(m):
         return OPS.sum_tree(OPS.linear_sum(inp, w, kb).unsqueeze(0), inp.dtype)
 
     static = x.clone()
-    with launcher.as_captured():
-        step(static)  # the warm-up compiles the captured variants
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), launcher.as_captured():
-        out = step(static)
+    graph, out = capture_as_engine(step, static)
     for seed in range(3):
         fresh, _ = _data((m,), 4096, 1024, torch.bfloat16, seed=100 + seed)
         static.copy_(fresh)
