@@ -97,9 +97,6 @@ class EngineCore:
         self._held: list[AddGroup] = []  # admissions that arrived while a swap waits
         self._error: str | None = None
         self._out = CoreOutputs()
-        # the engine's counters as of the last counted step's end; None once anything else may
-        # have stepped the engine (a canary replay, a step that failed)
-        self._counted: EngineStats | None = None
 
     def run(self, inbox: Inbox, send: Callable[[CoreOutputs], None]) -> None:
         """Serve commands until ``Stop`` (or the inbox ends): apply every waiting command, send
@@ -114,7 +111,6 @@ class EngineCore:
                     self._swap_weights()
                 elif self.canary.pending:  # idle: replay one request alone
                     self.canary.replay(self.engine, busy=inbox.pending)
-                    self._counted = None  # its steps are not the served steps'
                 self._flush(send)
         except BaseException:
             log.exception("the engine loop failed")
@@ -217,8 +213,7 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def _step(self) -> None:
-        start, before = time.monotonic(), self._counted or self.engine.stats()
-        self._counted = None
+        start, before = time.monotonic(), self.engine.stats()
         try:
             progressed = self.engine.step()
         except RankFailedError as e:
@@ -265,13 +260,12 @@ class EngineCore:
             self._fail(request_id, reason)
 
     def _count_step(self, before: EngineStats) -> None:
-        """The step's tokens and preemptions: the engine's counters now less ``before``; now is
-        the next step's ``before``."""
+        """The step's tokens and preemptions: the engine's counters after it less ``before``
+        (two snapshots at the step's edges: nothing else that steps the engine is counted)."""
         after, stats = self.engine.stats(), self._out.stats
         if ran := after.num_scheduled_tokens - before.num_scheduled_tokens:
             stats.iteration_tokens.append(ran)
         stats.preemptions += after.num_preemptions - before.num_preemptions
-        self._counted = after
 
     def _mark_running(self, step_start: float) -> None:
         """Requests the scheduler has taken in leave the queue count; their queue time ends
