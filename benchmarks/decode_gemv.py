@@ -2,6 +2,7 @@
 JSON lines, one per (shape, M, config); a summary line per (shape, M) with the best config.
 
     python benchmarks/decode_gemv.py
+    python benchmarks/decode_gemv.py --shapes 2048,5120 4096,2048 2048,128 --m 1  # Qwen3-30B-A3B
 
 Tiles never change the bits on Hopper (tests/gpu/test_linear_bits.py), so the sweep is free to
 pick by speed. Times are CUDA-graph replays with the L2 flushed before each (do_bench), so the
@@ -10,6 +11,7 @@ weights come from HBM as in a decode step. Floor: weight bytes / measured copy b
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 
@@ -33,11 +35,17 @@ def candidates() -> list[L.GemmConfig]:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=[f"{k},{n}" for k, n in SHAPES],
+                   help="weight shapes as K,N")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64], help="rows")
+    args = p.parse_args()
     bw = copy_bandwidth()
-    for k, n in SHAPES:
+    for k, n in (map(int, shape.split(",")) for shape in args.shapes):
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
         floor = n * k * 2 / bw * 1e6
-        for m in (1, 16, 64):
+        for m in args.m:
             x = torch.randn(m, k, device="cuda").bfloat16()
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             stock = us(F.linear, x, w, rep=30)
