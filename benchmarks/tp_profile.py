@@ -1,6 +1,7 @@
 """Where a tensor-parallel step spends its time on rank 0 (torch.profiler over the CUDA graphs'
 kernels): JSON lines per workload -- wall seconds, the GPU's busy share of the wall, the
-communication share of the GPU's time (NCCL kernels), and the top kernels; then, in a second
+communication share of the GPU's time (NCCL kernels), the NCCL kernels' durations (p0: the
+transfer alone; above it, a rank waiting for the other), and the top kernels; then, in a second
 unprofiled run, rank 0's host seconds inside each part of a step (scheduling, announcing a call to
 the other ranks, the forward or graph replay launch, sampling, postprocessing) against the wall:
 where a step whose GPU idles waits on the host.
@@ -32,7 +33,11 @@ def _summary(prof, wall: float, top: int) -> dict:
     total = sum(e.self_device_time_total for e in rows) / 1e6
     comm = sum(e.self_device_time_total for e in rows if "nccl" in e.key.lower()) / 1e6
     rows.sort(key=lambda e: -e.self_device_time_total)
-    return {"wall_s": round(wall, 4), "gpu_s": round(total, 4),
+    nccl = sorted(e.device_time for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower())
+    pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
+           for q in (0, 10, 50, 90, 99)} if nccl else {}
+    return {"nccl_kernel_us": pct, "wall_s": round(wall, 4), "gpu_s": round(total, 4),
             "gpu_busy_share": round(total / wall, 3),
             "comm_share_of_gpu": round(comm / total, 3) if total else None,
             "top": [(e.key[:70], e.count, round(e.self_device_time_total / 1e3, 2))
