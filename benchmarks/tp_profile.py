@@ -90,12 +90,14 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = p.parse_args()
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
     vocab = llm.engine.loaded.model_config.vocab_size
-    for name, (n, prompt, gen) in WORKLOADS.items():
+    for name in args.workloads:
+        n, prompt, gen = WORKLOADS[name]
         prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params, use_tqdm=False)
