@@ -20,7 +20,8 @@ from functools import partial
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1)}
+WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1),
+             "batch": (64, 1024, 256)}  # tensor_parallel.py's batch workload
 
 
 def _sync() -> None:
@@ -90,7 +91,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                   default=["decode-bs1", "decode-bs64", "prefill"])
     args = p.parse_args()
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,

@@ -135,6 +135,8 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     """Tile shape for an M-row product (free to vary: it does not change the bits)."""
     if dtype == torch.float32:  # FMA path: small tiles, BLOCK_K divides SEGMENT_ALIGN
         return GemmConfig(32 if m <= 32 else 64, 64, 32, 4, 3)
+    if m <= 16 and n <= 256:  # a router: 16 columns a program spread it over 8x the SMs
+        return GemmConfig(16, 16, 512 if k % 512 == 0 else 256, 4, 4, prefetch=PREFETCH)
     if m <= 8:
         if n < 24576:
             return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
