@@ -22,7 +22,6 @@ import json
 import time
 
 import torch
-import triton
 from torch.profiler import ProfilerActivity, profile
 
 from samebits import LLM, SamplingParams
@@ -169,8 +168,6 @@ def main() -> None:
                    help="wait for each step's tokens before launching the next (A/B)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch (A/B)")
-    p.add_argument("--trigger-first", action="store_true",
-                   help="kernels let the next one launch before their own wait (A/B)")
     p.add_argument("--prefetch-kb", type=int, default=None,
                    help="weight KiB a GEMV program prefetches before its input is ready "
                         "(default: samebits.ops.triton.linear_tiles.PREFETCH)")
@@ -178,10 +175,8 @@ def main() -> None:
     if args.prefetch_kb is not None:  # before the first tile is picked (pick_config caches)
         from samebits.ops.triton import linear_tiles
         linear_tiles.PREFETCH = args.prefetch_kb * 1024
-    from samebits.ops.triton import launcher
-    if args.trigger_first:  # before the first compile: Triton refuses a changed global after it
-        launcher.TRIGGER_FIRST = triton.language.constexpr(True)
     if args.no_pdl:
+        from samebits.ops.triton import launcher
         launcher._programmatic_device = lambda index: False
     bw = copy_bandwidth()
     llm = LLM(args.model, load_format=args.load_format, device="cuda", enable_prefix_caching=False,
@@ -195,7 +190,6 @@ def main() -> None:
     print(json.dumps({"bench": "decode_roofline", "device": torch.cuda.get_device_name(),
                       "mode": "standard" if args.standard else "invariant",
                       "pdl": not args.no_pdl, "prefetch_kb": linear_prefetch_kb(),
-                      "trigger_first": args.trigger_first,
                       "async_scheduling": not args.no_async_scheduling,
                       "steps_served_ahead": llm.engine.runner.ahead_steps_used,
                       "copy_GB_s": round(bw / 1e9, 1), "weight_GB": round(nbytes / 1e9, 3),

@@ -1,7 +1,6 @@
 """Mixture-of-experts speed on one GPU: Qwen3-30B-A3B shapes in bf16, dummy weights. JSON lines.
 
     python benchmarks/moe_decode.py --part decode   # batch-1 greedy decode vs one token's bytes
-    python benchmarks/moe_decode.py --part decode --prefetch-down  # A/B: down weights prefetched
     python benchmarks/moe_decode.py --part e2e      # 16 x 1k/1k, invariant vs standard
     python benchmarks/moe_decode.py --part layer    # one MoE layer's experts by batch size
 
@@ -33,7 +32,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_roofline import decode_rate, kernel_profile  # noqa: E402
@@ -77,8 +75,7 @@ def _decode(args: argparse.Namespace, bandwidth: float, llm: LLM) -> None:
     rate = decode_rate(llm, prompts, args.max_tokens, 0.0)
     roof = bandwidth / nbytes
     print(json.dumps({"bench": "moe_decode", "device": _device(), "mode": "invariant",
-                      "pdl": not args.no_pdl, "prefetch_down": args.prefetch_down,
-                      "trigger_first": args.trigger_first, "batch": 1, "copy_GB_s": round(bandwidth / 1e9, 1),
+                      "pdl": not args.no_pdl, "batch": 1, "copy_GB_s": round(bandwidth / 1e9, 1),
                       "token_GB": round(nbytes / 1e9, 3), "roofline_tok_s": round(roof, 1),
                       "decode_tok_s": round(rate, 1), "ratio_to_roofline": round(rate / roof, 3),
                       "target_ratio": 0.6}), flush=True)
@@ -185,21 +182,13 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs (A/B)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256, 2048],
                    help="layer: token counts")
-    p.add_argument("--prefetch-down", action="store_true",
-                   help="the gate/up GEMM's programs prefetch their experts' down weights (A/B)")
-    p.add_argument("--trigger-first", action="store_true",
-                   help="kernels let the next one launch before their own wait (A/B)")
     p.add_argument("--no-profile", action="store_true", help="decode: tok/s only")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch: each kernel's profiled "
                         "time is then its own, not also its wait for the previous one")
     args = p.parse_args()
-    from samebits.ops.triton import launcher
-    from samebits.ops.triton import moe as triton_moe
-    triton_moe.PREFETCH_DOWN = args.prefetch_down
-    if args.trigger_first:  # before the first compile: Triton refuses a changed global after it
-        launcher.TRIGGER_FIRST = triton.language.constexpr(True)
     if args.no_pdl:
+        from samebits.ops.triton import launcher
         launcher._programmatic_device = lambda index: False
     bandwidth = copy_bandwidth()
     if args.part in ("layer", "all"):

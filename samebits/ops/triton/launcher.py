@@ -49,27 +49,16 @@ except ImportError:  # pragma: no cover - Triton without grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
 
-# let the next kernel launch before this one's own wait (a chain of waiting kernels, each one
-# resident before the next launches) instead of after it
-TRIGGER_FIRST = tl.constexpr(False)
-
-
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
     """First statement of a kernel launched with ``launch_pdl=PDL``: wait until the previous
     kernel in the stream has finished and its writes are visible, then let the next kernel
     launch. The next kernel's programs then start (and get resident) while this one runs, and
     wait at this same statement before they read or write any tensor. Nothing is read or written
-    before the wait, so the order of every load and store in the stream stays the stream's
-    (with ``TRIGGER_FIRST`` too: a kernel's wait returns once the previous one has completed,
-    which itself waited for its own previous one)."""
+    before the wait, so the order of every load and store in the stream stays the stream's."""
     if PDL:
-        if TRIGGER_FIRST:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            gdc_wait()
-            gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def programmatic(t: torch.Tensor) -> bool:

@@ -40,15 +40,10 @@ from triton.language.extra import libdevice
 
 from samebits.ops.triton.activation import ACCURATE_EXP, FP_FUSION
 from samebits.ops.triton.launcher import programmatic, wait_for_inputs
-from samebits.ops.triton.linear_kernels import prefetch_l2
 
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
 COMBINE_BLOCK = 1024
-# at decode (the direct layout) the gate/up GEMM's programs prefetch their experts' down weights
-# into L2, so the down GEMM reads them from L2 (off: issued at a program's start, it measured
-# slower, 232.8 against 243.6 tok/s, H100, Qwen3-30B-A3B shapes)
-PREFETCH_DOWN = False
 _NO_FTZ = {"enable_reflect_ftz": False}
 
 
@@ -207,21 +202,17 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 
 # ---- 3, 4. grouped GEMM -----------------------------------------------------------------------
 @triton.jit
-def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, next_ptr, A, N, K, stride_xm,
-                     stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
+def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride_xm, stride_we,
+                     stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
-                     DIRECT: tl.constexpr, NEXT_BYTES: tl.constexpr, THREADS: tl.constexpr,
-                     PDL: tl.constexpr):
+                     DIRECT: tl.constexpr, PDL: tl.constexpr):
     """GATED: out[a, n] = silu(x[a // k] . w[e, n]) * (x[a // k] . w[e, N + n]) (N = I);
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
     expert alone (one ascending-K dot from zero).
 
     DIRECT: the layout is ``direct_layout``'s (block b holds assignment b alone), known without
-    reading ``sorted_ptr``. NEXT_BYTES > 0: the program asks L2 for its 1 / n_tiles share of
-    the ``NEXT_BYTES`` bytes at ``next_ptr + expert * NEXT_BYTES`` (the next GEMM's weights of
-    its expert), once its own loads are issued, so the next launch reads them from L2. A hint:
-    no result changes."""
+    reading ``sorted_ptr``."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -264,8 +255,6 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, next_ptr, A, N,
             acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NEXT_BYTES > 0:  # after this program's own loads: less of it evicted before its use
-        _prefetch_share(next_ptr, expert, pid % n_tiles, n_tiles, NEXT_BYTES, THREADS)
     dtype = out_ptr.dtype.element_ty
     if GATED:  # activation.py's arithmetic on the rounded gate and up
         g = acc.to(dtype).to(tl.float32)
@@ -283,37 +272,18 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, next_ptr, A, N,
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
              flat_ids: torch.Tensor, top_k: int, gated: bool, cfg: MoeGemmConfig,
-             direct: bool = False, w_next: torch.Tensor | None = None) -> None:
+             direct: bool = False) -> None:
     """Launch step 3 (``gated``: x [T, K], w [E, 2N, K]) or 4 (x [A, K], w [E, N, K]) into
-    ``out`` [A, N]. ``direct``: ``sorted_ids`` is ``direct_layout``'s. ``w_next`` [E, ...]
-    (contiguous): the next GEMM's experts, whose routed ones each program prefetches a share of
-    into L2 (only under programmatic launch, where the next kernel's launch overlaps this one)."""
+    ``out`` [A, N]. ``direct``: ``sorted_ids`` is ``direct_layout``'s."""
     n, k = out.shape[1], x.shape[1]
     blocks, pdl = sorted_ids.numel() // cfg.block_m, programmatic(out)
-    threads = cfg.num_warps * 32
-    next_bytes = w_next[0].numel() * w_next.element_size() if pdl and w_next is not None else 0
-    if next_bytes and (next_bytes % (16 * threads * triton.cdiv(n, cfg.block_n))
-                       or w_next.data_ptr() % 16):
-        next_bytes = 0  # each thread's bulk prefetch: a whole number of 16-byte units
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
-        x, w, out, sorted_ids, flat_ids, w_next if next_bytes else w, flat_ids.numel(), n, k,
-        x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        ACCURATE=ACCURATE_EXP, DIRECT=direct, NEXT_BYTES=next_bytes, THREADS=threads, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
-        launch_pdl=pdl, **_NO_FTZ)
-
-
-@triton.jit
-def _prefetch_share(base_ptr, expert, share, shares, BYTES: tl.constexpr, THREADS: tl.constexpr):
-    """Share ``share`` of ``shares`` of the ``BYTES`` bytes at ``base_ptr + expert * BYTES``
-    (in elements of base_ptr's type), one bulk L2 prefetch per thread."""
-    chunk = BYTES // shares // THREADS // 16 * 16
-    t = tl.arange(0, THREADS)
-    lo = share * (BYTES // shares // 16 * 16) + t * chunk
-    base = (base_ptr + expert * (BYTES * 8 // base_ptr.dtype.element_ty.primitive_bitwidth))
-    prefetch_l2(base.to(tl.int64, bitcast=True) + lo, tl.zeros([THREADS], tl.int32) + chunk)
+        x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
+        w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
+        DIRECT=direct, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
@@ -367,8 +337,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sorted_ids = (direct_layout(a, up_cfg.block_m, x.device) if direct else
                   align(flat, experts, up_cfg.block_m))
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg, direct,
-             w2 if direct and PREFETCH_DOWN else None)
+    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg, direct)
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
     moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, down_cfg, direct)
     combine(y, weights.float().contiguous(), shared, scale, out)
