@@ -7,8 +7,8 @@ forward's bits in the invariant mode; at TP 2 over gloo, prefills of 600 tokens 
 sequence and between sequences return the same tokens, logprobs, top logprobs and prompt logprobs
 with the overlap on, off, and on one device, and the ranks' collective traces show that both
 ranks ran the micro-batches (every layer's gathers at 300 rows, never 600; 600 with it off).
-Negative control: the standard mode's stock ops give other bits when the same forward is cut
-inside a sequence."""
+Negative controls: the standard mode's stock ops give other bits when the same forward is cut
+inside a sequence, on one device and at TP 2."""
 
 from __future__ import annotations
 
@@ -140,3 +140,11 @@ def test_tp_2_overlap_on_equals_off_and_one_device_bitwise(config_path, tmp_path
         assert (rows[300], rows[600]) == ((2 * 2 * 5, 0) if on else (0, 2 * 5)), rows
     assert runs[True] == runs[False] == one_device
     assert len(one_device) == 7 and all(o[3] is not None for o in one_device)
+
+
+def test_negative_control_standard_mode_tp_2_overlap_changes_the_bits(config_path):
+    """The same prefills in the standard mode: the sequence cut in two gets other prompt
+    logprobs."""
+    on, off = (_generate(config_path, tensor_parallel_size=2, batch_invariant=False,
+                         enable_two_batch_overlap=overlap) for overlap in (True, False))
+    assert on != off
