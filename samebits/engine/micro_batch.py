@@ -26,12 +26,11 @@ from samebits.engine.step import ForwardInputs
 TWO_BATCH_OVERLAP_MIN_TOKENS = 512
 
 
-def two_batch_split(inputs: ForwardInputs,
-                    min_tokens: int = TWO_BATCH_OVERLAP_MIN_TOKENS
-                    ) -> tuple[ForwardInputs, ForwardInputs] | None:
-    """``inputs`` cut at its middle token row, or None below ``min_tokens`` query tokens."""
+def two_batch_split(inputs: ForwardInputs) -> tuple[ForwardInputs, ForwardInputs] | None:
+    """``inputs`` cut at its middle token row, or None below ``TWO_BATCH_OVERLAP_MIN_TOKENS``
+    query tokens."""
     tokens = len(inputs.input_ids)
-    if tokens < max(min_tokens, 2):
+    if tokens < TWO_BATCH_OVERLAP_MIN_TOKENS:
         return None
     return split_at(inputs, tokens // 2)
 
