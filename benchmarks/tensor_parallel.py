@@ -34,13 +34,10 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
 
     from samebits import LLM, SamplingParams
     t0 = time.perf_counter()
-    overlap = not args.no_two_batch_overlap
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
-              max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False,
-              enable_two_batch_overlap=overlap)
+              max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False)
     runner = llm.engine.runner
-    print(json.dumps({"tp": tp, "two_batch_overlap": overlap,
-                      "start_s": round(time.perf_counter() - t0, 1),
+    print(json.dumps({"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
                       "graphs": 0 if runner.graphs is None else len(runner.graphs.graphs),
@@ -88,8 +85,6 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each size may take (start, workloads, shutdown) before it is "
                         "stopped and reported as an error")
-    p.add_argument("--no-two-batch-overlap", action="store_true",
-                   help="run each prefill step as one batch (enable_two_batch_overlap=False)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
@@ -100,7 +95,7 @@ def main() -> None:
     for tp in args.tp:
         cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
-               "--one", str(tp)] + ["--no-two-batch-overlap"] * args.no_two_batch_overlap
+               "--one", str(tp)]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                  timeout=args.timeout)

@@ -93,14 +93,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
-    p.add_argument("--no-two-batch-overlap", action="store_true",
-                   help="run each prefill step as one batch (enable_two_batch_overlap=False)")
     args = p.parse_args()
     from samebits import LLM, SamplingParams
-    overlap = not args.no_two_batch_overlap
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
-              max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False,
-              enable_two_batch_overlap=overlap)
+              max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
     vocab = llm.engine.loaded.model_config.vocab_size
     for name in args.workloads:
         n, prompt, gen = WORKLOADS[name]
@@ -113,8 +109,7 @@ def main() -> None:
             _sync()
             wall = time.perf_counter() - start
         print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
-                          "generated": gen, "two_batch_overlap": overlap}
-                         | _summary(prof, wall, args.top)), flush=True)
+                          "generated": gen} | _summary(prof, wall, args.top)), flush=True)
         host = _host_seconds(llm.engine, partial(llm.generate, prompts, params, use_tqdm=False))
         print(json.dumps({"tp": args.tp, "workload": name, "host": host}), flush=True)
     llm.engine.runner.shutdown()

@@ -176,11 +176,6 @@ class EngineConfig:
     # those of one device where its backend runs the segments too (``row_parallel_segments``:
     # the CPU backend); the standard mode promises nothing across N
     tensor_parallel_size: int = 1
-    # under tensor parallel, an eager forward of enough tokens (a prefill: samebits.engine.
-    # micro_batch) runs as two micro-batches interleaved layer by layer on two CUDA streams, each
-    # one's gathers beside the other's compute (samebits.models.two_batch_overlap; SGLang's
-    # two-batch overlap); it never changes the bits
-    enable_two_batch_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in ("generate", "embed"):
@@ -268,9 +263,6 @@ class EngineConfig:
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N processes (gloo on CPU, NCCL on GPU); every N "
                        "dividing the KV heads gives the bits of N = 1 (one device)")
-        p.add_argument("--no-two-batch-overlap", action="store_true",
-                       help="tensor parallel: run a large prefill as one batch instead of two "
-                       "micro-batches whose gathers overlap each other's compute")
         p.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
         p.add_argument("--no-async-scheduling", action="store_true",
@@ -289,8 +281,7 @@ class EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
             async_scheduling=not args.no_async_scheduling,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_two_batch_overlap=not args.no_two_batch_overlap)
+            tensor_parallel_size=args.tensor_parallel_size)
         if args.standard:
             kwargs["batch_invariant"] = False
         return cls(**{**kwargs, **overrides})

@@ -23,14 +23,12 @@ from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
-from samebits.engine.micro_batch import two_batch_split
 from samebits.engine.readback import ranks_of, read_tokens, row_top, start_read, top_of
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
 from samebits.engine.step import AheadStep, ForwardInputs, Peers, ScoredSpan, StepInputs, StepResult
 from samebits.engine.transfer import to_device
 from samebits.loader import LoadedModel
-from samebits.models.two_batch_overlap import MicroBatch, forward_two_batch
 from samebits.models.weights import WeightMap, update_weights
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
@@ -175,31 +173,8 @@ class ModelRunner:
             calls[op](*args)
 
     def _forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The eager forward of ``inputs``: hidden states [T, H], kept as slot "main". Under
-        tensor parallel a large one runs as two overlapped micro-batches (``_micro_batches``):
-        the same bits. Ranks 1..N-1 take the same decision from the same announced inputs."""
+        """The eager forward of ``inputs``: hidden states [T, H], kept as slot "main"."""
         self._announce("forward", inputs)
-        halves = self._micro_batches(inputs)
-        if halves is None:
-            batch = self._device_inputs(inputs)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        else:
-            hidden = forward_two_batch(self.model, tuple(map(self._device_inputs, halves)),
-                                       self.kv_caches)
-        self.hidden["main"] = hidden
-        return hidden
-
-    def _micro_batches(self, inputs: ForwardInputs
-                       ) -> tuple[ForwardInputs, ForwardInputs] | None:
-        """``inputs`` as two micro-batches for two-batch overlap (``enable_two_batch_overlap``,
-        under tensor parallel, from ``TWO_BATCH_OVERLAP_MIN_TOKENS`` tokens), else None. Only
-        eager forwards (this one): a captured decode step is one graph."""
-        if not self.config.enable_two_batch_overlap or self.group.world_size == 1:
-            return None
-        return two_batch_split(inputs)
-
-    def _device_inputs(self, inputs: ForwardInputs) -> MicroBatch:
-        """``inputs`` as device tensors, the attention metadata planned by the backend."""
         dev = self.device
         meta = AttentionMetadata(
             block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
@@ -208,9 +183,11 @@ class ModelRunner:
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
             seq_lens_list=tuple(inputs.seq_lens), query_start_loc_list=tuple(inputs.query_start_loc),
             block_size=self.block_size, split_size=self.config.attention_split_size)
-        return MicroBatch(torch.tensor(inputs.input_ids, device=dev),
-                          torch.tensor(inputs.positions, device=dev),
-                          self.model.ops.plan_attention(meta))
+        hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
+                            torch.tensor(inputs.positions, device=dev), self.kv_caches,
+                            self.model.ops.plan_attention(meta))
+        self.hidden["main"] = hidden
+        return hidden
 
     def _replay(self, decode: DecodeBatch, slot: str, tokens: torch.Tensor | None = None
                 ) -> torch.Tensor:

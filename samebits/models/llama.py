@@ -84,19 +84,16 @@ class Attention(nn.Module):
         self.q_norm = replicated_param(self.d) if qk_norm else None
         self.k_norm = replicated_param(self.d) if qk_norm else None
 
-    def store(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-              ) -> torch.Tensor:
-        """qkv_proj, then q/k norm (Qwen3), RoPE and K/V into the cache: q [T, Hq, D]."""
+    def forward(self, ops: OpBackend, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> Hidden:
+        t = h.shape[0]
         qkv = self.qkv_proj(ops, h)  # [T, (Hq + 2 Hkv) D]
-        return ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
-                                  kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
-
-    def attend(self, ops: OpBackend, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata) -> Hidden:
-        """Attention over the cache (which ``store`` filled), then o_proj: [T, H]."""
+        # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
+        q = ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
+                               kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
         o = ops.attention(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
-        return self.o_proj(ops, o.reshape(q.shape[0], self.hq * self.d))
+        return self.o_proj(ops, o.reshape(t, self.hq * self.d))  # [T, H]
 
 
 class MLP(nn.Module):
@@ -142,31 +139,9 @@ class DecoderLayer(nn.Module):
         """h: the previous layer's MLP output (the embeddings, with ``residual`` None, for the
         first layer); residual: the stream h is to be added to. Returns (this layer's MLP
         output, the stream before it). Each add is fused into the norm that follows it: the bits
-        of ``h = h + attn(norm(h)); h = h + mlp(norm(h))``. It is its three parts in order
-        (two-batch overlap issues them one by one: ``samebits.models.two_batch_overlap``)."""
-        q, residual = self.forward_qkv(ops, h, residual, cos, sin, kv_cache, meta)
-        a = self.forward_attention(ops, q, kv_cache, meta)
-        return self.forward_mlp(ops, a, residual)
-
-    def forward_qkv(self, ops: OpBackend, h: Hidden, residual: torch.Tensor | None,
-                    cos: torch.Tensor, sin: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The add + input norm, q/k/v with this layer's K/V stored in the cache: (q, the
-        stream)."""
+        of ``h = h + attn(norm(h)); h = h + mlp(norm(h))``."""
         x, residual = add_norm(ops, h, self.input_layernorm, self.eps, residual)
-        return self.self_attn.store(ops, x, cos, sin, kv_cache, meta), residual
-
-    def forward_attention(self, ops: OpBackend, q: torch.Tensor,
-                          kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                          ) -> Hidden:
-        """Attention and o_proj (under tensor parallel: ending in its gather)."""
-        return self.self_attn.attend(ops, q, kv_cache, meta)
-
-    def forward_mlp(self, ops: OpBackend, a: Hidden, residual: torch.Tensor
-                    ) -> tuple[Hidden, torch.Tensor]:
-        """The add + post-attention norm and the MLP (under tensor parallel: ending in
-        down_proj's gather): (the MLP output, the stream before it)."""
+        a = self.self_attn(ops, x, cos, sin, kv_cache, meta)
         x, residual = ops.rms_norm(a, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(ops, x), residual
 
@@ -222,15 +197,10 @@ class LlamaForCausalLM(nn.Module):
                    layers: range) -> tuple[Hidden, torch.Tensor | None]:
         """Layers ``layers`` of ``forward`` on (h, residual) -- (embeddings, None) before layer 0:
         consecutive ranges compose to the whole forward, bit for bit (CUDA-graph pieces)."""
-        cos, sin = self.rope(positions, h.dtype)
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
         for i in layers:
             h, residual = self.layers[i](self.ops, h, residual, cos, sin, kv_caches[i], meta)
         return h, residual
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, D] of ``positions`` in ``dtype``."""
-        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     def final_norm(self, h: Hidden, residual: torch.Tensor | None) -> torch.Tensor:
         return add_norm(self.ops, h, self.norm, self.cfg.rms_norm_eps, residual)[0]
