@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path is a path as a str is
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path or a name (str), got {self.model!r}")
         if self.task not in ("generate", "embed"):
             raise ValueError(f"task must be 'generate' or 'embed', got {self.task!r}")
         if self.load_format not in ("auto", "dummy"):

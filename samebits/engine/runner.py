@@ -110,6 +110,9 @@ class ModelRunner:
             if not served:
                 self._replay(decode, "main")
             self._sample(None, "ahead" if served else "main", batch.seqs, result, decode)
+            # one span per sequence keeping prompt logprobs, as ``prepare``'s: a decode step's
+            # are empty (no prompt position)
+            result.scored = [ScoredSpan([], [], []) for s in batch.seqs if s.wants_prompt_logprobs]
             return result
         inputs = self.prepare(batch)
         self._forward(inputs.forward)

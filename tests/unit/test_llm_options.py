@@ -129,3 +129,13 @@ def test_a_generation_llm_of_a_decoder_embedding_model_embeds_as_task_embed(tmp_
     assert generating.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="pooling_params"):
         generating.encode(inputs, pooling_params=object())
+
+
+def test_model_may_be_a_pathlib_path_and_anything_else_is_refused(config_file):
+    from pathlib import Path
+
+    from samebits.config import EngineConfig
+    llm = LLM(Path(config_file), load_format="dummy")
+    assert llm.engine.config.model == config_file
+    with pytest.raises(ValueError, match="model must be a path or a name"):
+        EngineConfig(model=3)
