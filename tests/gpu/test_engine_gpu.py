@@ -149,3 +149,18 @@ def test_gpu_decode_graphs_are_all_captured_at_start():
     prompts = [[3 + i] * (100 + 300 * i) for i in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
     assert set(llm.engine.runner.graphs.graphs) == captured  # no capture after start
+
+
+def test_gpu_prompt_logprobs_through_graph_decode_steps_equal_score(reference):
+    """Requests keeping prompt logprobs go on to decode through the CUDA graphs (and the steps
+    launched ahead): the run completes, and the prompt logprobs are score's, bitwise."""
+    reqs, _ = reference
+    prompts = [p for p, _ in reqs[:6]]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=5, prompt_logprobs=1,
+                            ignore_eos=True)
+    llm = _llm(max_num_seqs=8)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scored = llm.score(prompts)
+    for p, out, s in zip(prompts, outs, scored, strict=True):
+        assert len(out.outputs[0].token_ids) == 16 and out.prompt_logprobs[0] is None
+        assert [out.prompt_logprobs[i + 1][p[i + 1]].logprob for i in range(len(p) - 1)] == s
