@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from samebits.ops import cpu_kernels, rope
 from samebits.ops.backend import (
@@ -36,6 +35,7 @@ from samebits.ops.backend import (
     sum_tree,
 )
 from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps, SeqLayout
+from samebits.ops.moe import silu_mul_rows
 from samebits.ops.tiles import TILE_M, by_tiles
 
 
@@ -109,10 +109,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = No
              ) -> torch.Tensor:
     """SiLU(gate) * up, one call per K segment of down_proj on that segment's columns: the
     shapes a tensor-parallel rank sees (torch's CPU SiLU rounds the scalar tail of a row
-    differently from its vector body, so the row length must match)."""
+    differently from its vector body, so the row length must match), each in single-threaded
+    row blocks (``silu_mul_rows``: no thread's share starts inside a row, whatever T is)."""
     if k_bounds is None:
-        return F.silu(gate) * up
-    return torch.cat([F.silu(gate[..., lo:hi]) * up[..., lo:hi] for lo, hi in k_bounds], dim=-1)
+        return silu_mul_rows(gate, up)
+    return torch.cat([silu_mul_rows(gate[..., lo:hi], up[..., lo:hi]) for lo, hi in k_bounds],
+                     dim=-1)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
