@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from samebits.ops import cpu_kernels
 from samebits.ops.autograd import _Deterministic, invariant_apply
 from samebits.ops.backend import OpBackend
-
-GRAIN = 32768  # torch's intra-op grain: a CPU elementwise call below it runs on one thread
+from samebits.ops.tiles import silu_mul_rows
 
 
 def select_experts(ops: OpBackend, logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -188,18 +187,6 @@ def combine_stock(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor |
     if shared is not None:
         acc = acc + scale[:, None] * shared.float()
     return acc.to(dtype)
-
-
-def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up on CPU, in calls of fewer than GRAIN elements: each call runs on one
-    thread, so every row goes through torch's elementwise loop whole and from its first column
-    (a parallel split inside a row moves its vector / scalar-tail boundary, and torch's SiLU
-    rounds the two differently)."""
-    rows = max(1, GRAIN // max(1, gate.shape[-1]) - 1)
-    if gate.shape[0] <= rows:
-        return F.silu(gate) * up
-    return torch.cat([F.silu(gate[i:i + rows]) * up[i:i + rows]
-                      for i in range(0, gate.shape[0], rows)])
 
 
 _PACKS = "_samebits_packed"  # cpu_kernels' attribute: ``forget_packed`` drops it on updates

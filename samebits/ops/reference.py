@@ -35,8 +35,7 @@ from samebits.ops.backend import (
     sum_tree,
 )
 from samebits.ops.encoder import ENCODER_SPLIT_SIZE, InvariantEncoderOps, SeqLayout
-from samebits.ops.moe import silu_mul_rows
-from samebits.ops.tiles import TILE_M, by_tiles
+from samebits.ops.tiles import TILE_M, by_tiles, silu_mul_rows
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

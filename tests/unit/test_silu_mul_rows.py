@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops.backend import get_backend
+from samebits.ops.tiles import silu_mul_rows
 
 ROWS, CUT, INTER = 1025, 512, 200
 
@@ -26,6 +27,13 @@ def _halves_match(fn) -> bool:
 def test_cpu_silu_mul_rows_do_not_depend_on_the_row_count(k_bounds):
     ops = get_backend("cpu", True)
     assert _halves_match(lambda g, u: ops.silu_mul(g, u, k_bounds))
+
+
+def test_silu_of_rows_does_not_depend_on_their_count():
+    g = torch.randn(301, 2 * 1001)
+    gate, up = g[:, :1001], g[:, 1001:]
+    want = torch.cat([silu_mul_rows(gate[i:i + 1], up[i:i + 1]) for i in range(301)])
+    assert torch.equal(silu_mul_rows(gate, up), want)
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread never splits a row")
