@@ -10,7 +10,7 @@ the batch (CUDA graphs capture them):
    run padded to whole ``BLOCK_M`` blocks, ``sorted_ids[slot] = a`` (sentinel A for padding):
    ``_align_kernel`` in one program up to ``ALIGN_ONE_PROGRAM`` assignments, torch ops beyond.
    Up to ``DIRECT_MAX`` assignments (decode of a few sequences, whose experts rarely repeat)
-   no launch: a constant layout gives each assignment a block of its own.
+   no layout at all: block b is assignment b alone (the GEMMs' ``DIRECT`` mode).
 3. ``_moe_gemm_kernel`` GATED: program (block, N-tile) reads its block's expert id from the
    block's first assignment and computes gate and up of ``BLOCK_N`` columns for the block's
    tokens over ascending K, then ``silu(gate) * up`` with ``activation.py``'s bits. At decode a
@@ -169,23 +169,6 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
     return _align_torch(flat.long(), experts, block_m, out)
 
 
-_DIRECT: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def direct_layout(assignments: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """Block b holds assignment b alone (the rest sentinels): the layout of any routing, kept
-    per shape (built before a CUDA-graph capture by the warm-up of the same shape)."""
-    key = (assignments, block_m, device)
-    out = _DIRECT.get(key)
-    if out is None:
-        out = torch.full((assignments, block_m), assignments, dtype=torch.int32, device=device)
-        out[:, 0] = torch.arange(assignments, dtype=torch.int32, device=device)
-        out = out.view(-1)
-        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DIRECT[key] = out
-    return out
-
-
 def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tensor
                  ) -> torch.Tensor:
     """The same layout by torch ops (prefill-sized batches)."""
@@ -211,8 +194,7 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
     expert alone (one ascending-K dot from zero).
 
-    DIRECT: the layout is ``direct_layout``'s (block b holds assignment b alone), known without
-    reading ``sorted_ptr``."""
+    DIRECT: no layout (``sorted_ptr`` unread): block b holds assignment b alone."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -270,16 +252,17 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], out, mask=mask)
 
 
-def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
-             flat_ids: torch.Tensor, top_k: int, gated: bool, cfg: MoeGemmConfig,
-             direct: bool = False) -> None:
+def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+             sorted_ids: torch.Tensor | None, flat_ids: torch.Tensor, top_k: int, gated: bool,
+             cfg: MoeGemmConfig) -> None:
     """Launch step 3 (``gated``: x [T, K], w [E, 2N, K]) or 4 (x [A, K], w [E, N, K]) into
-    ``out`` [A, N]. ``direct``: ``sorted_ids`` is ``direct_layout``'s."""
+    ``out`` [A, N]. ``sorted_ids`` None: one block per assignment (``DIRECT``)."""
     n, k = out.shape[1], x.shape[1]
-    blocks, pdl = sorted_ids.numel() // cfg.block_m, programmatic(out)
+    direct, pdl = sorted_ids is None, programmatic(out)
+    blocks = flat_ids.numel() if direct else sorted_ids.numel() // cfg.block_m
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
-        x, w, out, sorted_ids, flat_ids, flat_ids.numel(), n, k, x.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
+        x, w, out, flat_ids if direct else sorted_ids, flat_ids, flat_ids.numel(), n, k,
+        x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
         DIRECT=direct, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -333,13 +316,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
                                                                            False)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
-    direct = a <= DIRECT_MAX
-    sorted_ids = (direct_layout(a, up_cfg.block_m, x.device) if direct else
-                  align(flat, experts, up_cfg.block_m))
+    sorted_ids = None if a <= DIRECT_MAX else align(flat, experts, up_cfg.block_m)
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg, direct)
+    moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg)
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, down_cfg, direct)
+    moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, down_cfg)
     combine(y, weights.float().contiguous(), shared, scale, out)
     return out
 
