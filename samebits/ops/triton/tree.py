@@ -66,20 +66,25 @@ def _merged(v, s0, s1, s2, s3, NUM: tl.constexpr, LEAF: tl.constexpr):
 
 
 @triton.jit
-def tree_push(v, s0, s1, s2, s3, NUM: tl.constexpr, LEAF: tl.constexpr):
-    """Push leaf LEAF (a compile-time index) of NUM; returns the stack (s0 .. s3, bottom
-    first)."""
-    v = _merged(v, s0, s1, s2, s3, NUM, LEAF)
-    TOP: tl.constexpr = _top(NUM, LEAF)
-    if TOP == 0:
+def _put(v, s0, s1, s2, s3, AT: tl.constexpr):
+    """The stack with entry ``AT`` (a compile-time index) set to ``v``."""
+    if AT == 0:
         s0 = v
-    elif TOP == 1:
+    elif AT == 1:
         s1 = v
-    elif TOP == 2:
+    elif AT == 2:
         s2 = v
     else:
         s3 = v
     return s0, s1, s2, s3
+
+
+@triton.jit
+def tree_push(v, s0, s1, s2, s3, NUM: tl.constexpr, LEAF: tl.constexpr):
+    """Push leaf LEAF (a compile-time index) of NUM; returns the stack (s0 .. s3, bottom
+    first)."""
+    v = _merged(v, s0, s1, s2, s3, NUM, LEAF)
+    return _put(v, s0, s1, s2, s3, _top(NUM, LEAF))
 
 
 @triton.jit
@@ -89,12 +94,4 @@ def tree_step(acc, s0, s1, s2, s3, take, NUM: tl.constexpr, LEAF: tl.constexpr):
     MMA is in flight."""
     v = _merged(acc, s0, s1, s2, s3, NUM, LEAF)
     TOP: tl.constexpr = _top(NUM, LEAF)
-    if TOP == 0:
-        s0 = tl.where(take, v, s0)
-    elif TOP == 1:
-        s1 = tl.where(take, v, s1)
-    elif TOP == 2:
-        s2 = tl.where(take, v, s2)
-    else:
-        s3 = tl.where(take, v, s3)
-    return s0, s1, s2, s3
+    return _put(tl.where(take, v, _slot(s0, s1, s2, s3, TOP)), s0, s1, s2, s3, TOP)
