@@ -63,13 +63,6 @@ def _device() -> str:
 def decode(args: argparse.Namespace, bandwidth: float) -> None:
     llm = LLM(args.model, load_format="dummy", device="cuda", enable_prefix_caching=False,
               max_num_seqs=8, max_model_len=1024)
-    _decode(args, bandwidth, llm)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _decode(args: argparse.Namespace, bandwidth: float, llm: LLM) -> None:
     nbytes = token_bytes(llm.engine.loaded.model)
     prompts = [[100 + i % 5000 for i in range(128)]]
     rate = decode_rate(llm, prompts, args.max_tokens, 0.0)
