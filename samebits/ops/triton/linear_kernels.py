@@ -83,13 +83,6 @@ def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: 
     row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
     size = tl.minimum(tl.maximum(row_bytes - lo, 0), CHUNK) // 16 * 16
     addr = (w_ptr + row.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True) + lo
-    prefetch_l2(addr, size)
-
-
-@triton.jit
-def prefetch_l2(addr, size):
-    """Ask L2 for ``size`` bytes (a multiple of 16, 0: nothing) at byte address ``addr`` (16-byte
-    aligned), per element: one bulk prefetch each. A hint: reads nothing into registers."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
         "mov.u32 $0, 0; }", "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32,
