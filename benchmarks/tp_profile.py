@@ -4,7 +4,10 @@ communication share of the GPU's time (NCCL kernels), the NCCL kernels' duration
 transfer alone; above it, a rank waiting for the other), and the top kernels; then, in a second
 unprofiled run, rank 0's host seconds inside each part of a step (scheduling, announcing a call to
 the other ranks, the forward or graph replay launch, sampling, postprocessing) against the wall:
-where a step whose GPU idles waits on the host.
+where a step whose GPU idles waits on the host. Each profiled line also carries the GPU's busy
+time as its kernels' union (``busy_union_s``: kernels that overlap under programmatic launch count
+once) and its idle gaps, by the host part running when each began (``idle_by_host_s_count``: the
+forward's launches, a graph replay, sampling, ...; ``outside`` between parts) and by size.
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
 """
@@ -12,13 +15,17 @@ where a step whose GPU idles waits on the host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from samebits.tools.timeline import idle_report
 
 WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1),
              "batch": (64, 1024, 256)}  # tensor_parallel.py's batch workload
@@ -51,10 +58,10 @@ HOST_PARTS = {"schedule": ("scheduler", "schedule"), "announce": ("runner.peers"
               "sample": ("runner", "_sample"), "postprocess": ("", "postprocess")}
 
 
-def _host_seconds(engine, run) -> dict:
-    """Rank 0's host seconds in each of ``HOST_PARTS`` while ``run()`` runs (no device sync:
-    launch and Python time, what a host-bound step is made of)."""
-    totals: dict[str, list] = {}
+@contextlib.contextmanager
+def _around_host_parts(engine, around: Callable[[str], contextlib.AbstractContextManager]
+                       ) -> Iterator[None]:
+    """While in it, each method of ``HOST_PARTS`` runs inside ``around(part)``."""
     restore = []
     for part, (path, name) in HOST_PARTS.items():
         owner = engine
@@ -62,27 +69,60 @@ def _host_seconds(engine, run) -> dict:
             owner = getattr(owner, attr, None)
         if owner is None:
             continue
-        inner, totals[part] = getattr(owner, name), [0, 0.0]
+        inner = getattr(owner, name)
 
-        def timed(*args, _inner=inner, _total=totals[part], **kwargs):
-            t0 = time.perf_counter()
-            try:
+        def wrapped(*args, _inner=inner, _part=part, **kwargs):
+            with around(_part):
                 return _inner(*args, **kwargs)
-            finally:
-                _total[0] += 1
-                _total[1] += time.perf_counter() - t0
-        setattr(owner, name, timed)
+        setattr(owner, name, wrapped)
         restore.append((owner, name))
-    start = time.perf_counter()
     try:
-        run()
-        _sync()
+        yield
     finally:
         for owner, name in restore:
             delattr(owner, name)
+
+
+def _host_seconds(engine, run) -> dict:
+    """Rank 0's host seconds in each of ``HOST_PARTS`` while ``run()`` runs (no device sync:
+    launch and Python time, what a host-bound step is made of)."""
+    totals = {part: [0, 0.0] for part in HOST_PARTS}
+
+    @contextlib.contextmanager
+    def timed(part: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            totals[part][0] += 1
+            totals[part][1] += time.perf_counter() - t0
+    start = time.perf_counter()
+    with _around_host_parts(engine, timed):
+        run()
+        _sync()
     wall = time.perf_counter() - start
     return {"wall_s": round(wall, 4)} | {f"{k}_calls": v[0] for k, v in totals.items()} | {
         f"{k}_share": round(v[1] / wall, 3) for k, v in totals.items()}
+
+
+def _idle(prof) -> dict:
+    """The device's busy time (its kernels' union) and idle gaps, charged to the host part
+    running when each began (``samebits.tools.timeline``), in seconds."""
+    kernels, ranges = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("host."):
+            ranges.append((e.name[len("host."):], e.time_range.start, e.time_range.end))
+    report = idle_report(kernels, ranges)
+
+    def seconds(table: dict) -> dict:
+        return {k: [round(v["total"] / 1e6, 4), v["count"]] for k, v in table.items()}
+    return {"busy_union_s": round(report["busy"] / 1e6, 4),
+            "span_s": round(report["span"] / 1e6, 4),
+            "idle_s": round(report["idle"] / 1e6, 4),
+            "idle_by_host_s_count": seconds(report["idle_by_host"]),
+            "idle_by_size_s_count": seconds(report["idle_by_size"])}
 
 
 def main() -> None:
@@ -103,13 +143,15 @@ def main() -> None:
         prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params, use_tqdm=False)
-        with profile(activities=[ACTIVITY]) as prof:
+        tagged = _around_host_parts(llm.engine, lambda part: record_function(f"host.{part}"))
+        with profile(activities=[ACTIVITY]) as prof, tagged:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             _sync()
             wall = time.perf_counter() - start
         print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
-                          "generated": gen} | _summary(prof, wall, args.top)), flush=True)
+                          "generated": gen} | _summary(prof, wall, args.top) | _idle(prof)),
+              flush=True)
         host = _host_seconds(llm.engine, partial(llm.generate, prompts, params, use_tqdm=False))
         print(json.dumps({"tp": args.tp, "workload": name, "host": host}), flush=True)
     llm.engine.runner.shutdown()
