@@ -6,8 +6,9 @@ unprofiled run, rank 0's host seconds inside each part of a step (scheduling, an
 the other ranks, the forward or graph replay launch, sampling, postprocessing) against the wall:
 where a step whose GPU idles waits on the host. Each profiled line also carries the GPU's busy
 time as its kernels' union (``busy_union_s``: kernels that overlap under programmatic launch count
-once) and its idle gaps, by the host part running when each began (``idle_by_host_s_count``: the
-forward's launches, a graph replay, sampling, ...; ``outside`` between parts) and by size.
+once) and its idle gaps by size and, with ``--host-ranges`` (host activity recorded too), by the
+host part running when each began (``idle_by_host_s_count``: the forward's launches, a graph
+replay, sampling, ...; ``outside`` between parts, or everything without the flag).
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
 """
@@ -37,19 +38,25 @@ def _sync() -> None:
 
 
 def _summary(prof, wall: float, top: int) -> dict:
-    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in rows) / 1e6
-    comm = sum(e.self_device_time_total for e in rows if "nccl" in e.key.lower()) / 1e6
-    rows.sort(key=lambda e: -e.self_device_time_total)
-    nccl = sorted(e.device_time for e in prof.events()
+    """GPU seconds (the kernels' durations summed: overlapping kernels count twice), the NCCL
+    share of them and their duration percentiles, and the ``top`` kernels by time."""
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    total = sum(v[1] for v in by_name.values()) / 1e6
+    comm = sum(v[1] for k, v in by_name.items() if "nccl" in k.lower()) / 1e6
+    nccl = sorted(e.time_range.elapsed_us() for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower())
     pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
            for q in (0, 10, 50, 90, 99)} if nccl else {}
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {"nccl_kernel_us": pct, "wall_s": round(wall, 4), "gpu_s": round(total, 4),
             "gpu_busy_share": round(total / wall, 3),
             "comm_share_of_gpu": round(comm / total, 3) if total else None,
-            "top": [(e.key[:70], e.count, round(e.self_device_time_total / 1e3, 2))
-                    for e in rows[:top]]}
+            "top": [(k[:70], v[0], round(v[1] / 1e3, 2)) for k, v in rows]}
 
 
 ACTIVITY = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
@@ -131,6 +138,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--host-ranges", action="store_true",
+                   help="also record host activity, so each idle gap is charged to the host part "
+                        "running when it began (slows the profiled run's host a little)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
     args = p.parse_args()
@@ -144,7 +154,9 @@ def main() -> None:
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params, use_tqdm=False)
         tagged = _around_host_parts(llm.engine, lambda part: record_function(f"host.{part}"))
-        with profile(activities=[ACTIVITY]) as prof, tagged:
+        activities = [ACTIVITY] + [ProfilerActivity.CPU] * (args.host_ranges
+                                                             and ACTIVITY != ProfilerActivity.CPU)
+        with profile(activities=activities) as prof, tagged:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             _sync()
