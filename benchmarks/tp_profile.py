@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -37,19 +39,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _device_events(prof) -> list:
+    """The profile's device work (kernels, copies), without the device-side spans of host
+    annotations (``record_function`` ranges, e.g. ``host.*`` and ``nccl:*``)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("host.", "nccl:"))]
+
+
 def _summary(prof, wall: float, top: int) -> dict:
     """GPU seconds (the kernels' durations summed: overlapping kernels count twice), the NCCL
     share of them and their duration percentiles, and the ``top`` kernels by time."""
+    events = _device_events(prof)
     by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = by_name.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.time_range.elapsed_us()
+    for e in events:
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
     total = sum(v[1] for v in by_name.values()) / 1e6
     comm = sum(v[1] for k, v in by_name.items() if "nccl" in k.lower()) / 1e6
-    nccl = sorted(e.time_range.elapsed_us() for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower())
+    nccl = sorted(e.time_range.elapsed_us() for e in events if "nccl" in e.name.lower())
     pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
            for q in (0, 10, 50, 90, 99)} if nccl else {}
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
@@ -115,12 +123,9 @@ def _host_seconds(engine, run) -> dict:
 def _idle(prof) -> dict:
     """The device's busy time (its kernels' union) and idle gaps, charged to the host part
     running when each began (``samebits.tools.timeline``), in seconds."""
-    kernels, ranges = [], []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.append((e.time_range.start, e.time_range.end))
-        elif e.name.startswith("host."):
-            ranges.append((e.name[len("host."):], e.time_range.start, e.time_range.end))
+    kernels = [(e.time_range.start, e.time_range.end) for e in _device_events(prof)]
+    ranges = [(e.name[len("host."):], e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("host.")]
     report = idle_report(kernels, ranges)
 
     def seconds(table: dict) -> dict:
@@ -132,6 +137,16 @@ def _idle(prof) -> dict:
             "idle_by_size_s_count": seconds(report["idle_by_size"])}
 
 
+def _write_trace(prof, path: str) -> None:
+    """The profile as a gzipped Chrome trace at ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    raw = path[:-len(".gz")]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="benchmarks/configs/qwen3-8b.json")
@@ -141,6 +156,9 @@ def main() -> None:
     p.add_argument("--host-ranges", action="store_true",
                    help="also record host activity, so each idle gap is charged to the host part "
                         "running when it began (slows the profiled run's host a little)")
+    p.add_argument("--trace", default=None,
+                   help="a folder: each workload's profile written there as a gzipped Chrome "
+                        "trace (<workload>_tp<N>.json.gz)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
     args = p.parse_args()
@@ -164,6 +182,8 @@ def main() -> None:
         print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
                           "generated": gen} | _summary(prof, wall, args.top) | _idle(prof)),
               flush=True)
+        if args.trace:
+            _write_trace(prof, os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))
         host = _host_seconds(llm.engine, partial(llm.generate, prompts, params, use_tqdm=False))
         print(json.dumps({"tp": args.tp, "workload": name, "host": host}), flush=True)
     llm.engine.runner.shutdown()
