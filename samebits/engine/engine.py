@@ -80,8 +80,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, self.fingerprint)
         chunked = not pooling or self.runner.chunked_prefill  # an encoder's prompt runs whole
+        ahead = not pooling and config.async_scheduling and self.runner.graphs is not None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   None if pooling else config.prefill_chunk_tokens, chunked)
+                                   None if pooling else config.prefill_chunk_tokens, chunked,
+                                   self.max_model_len if ahead else 0)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._eos = set(self.tokenizer.eos_token_ids if self.tokenizer else

@@ -11,6 +11,11 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 A paused sequence (``pause`` / ``resume``) keeps its blocks and progress but is not scheduled.
 Without ``chunked_prefill`` (an encoder, whose tokens attend to each other) a prompt runs whole in
 one step or waits, and the per-step prefill budget is the step's.
+With ``lookahead_until`` (async scheduling), a decoding sequence whose next position is below it
+also holds that position's block when one is free beyond a block for every running sequence: the
+decode step launched ahead writes its K/V there (``ModelRunner._launch_ahead`` launches only into
+held blocks, so without this, sequences at staggered positions -- one of them always at a block
+boundary -- would keep every step from being launched ahead). Never preempts for it.
 None of these choices changes a sequence's bits (the ops are invariant); they change only speed.
 """
 
@@ -35,11 +40,12 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager,
                  long_prefill_token_threshold: int | None = None,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, lookahead_until: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.lookahead_until = lookahead_until  # next positions below it get their block early
         if not chunked_prefill:
             self.prefill_chunk = max_num_batched_tokens
         self._prefill_left = 0  # prefill tokens still allowed in the step being scheduled
@@ -83,7 +89,15 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 budget -= n
                 i += 1
+                self._look_ahead(seq, n)
         return budget
+
+    def _look_ahead(self, seq: Sequence, n: int) -> None:
+        """A decoding ``seq``'s next position's block, if it is below ``lookahead_until`` and a
+        block is free beyond one for every running sequence (best effort)."""
+        if (n == 1 and seq.num_tokens < self.lookahead_until
+                and self.kv.pool.num_free > len(self.running)):
+            self.kv.allocate(seq, 2)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -9,6 +9,7 @@ test_batch_invariance.py."""
 from __future__ import annotations
 
 from samebits import LLM, SamplingParams
+from tests.eager_graphs import EagerGraphs
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away. " * 3
 
@@ -30,29 +31,6 @@ def test_prompt_logprobs_equal_score_chunked_beside_neighbours_with_a_cached_pre
     assert _chunked_prompt_logprobs(llm, ids) == llm.score([ids])[0]
 
 
-class _EagerGraphs:
-    """Stands in for the CUDA decode graphs on CPU: the runner takes its graph branch for decode
-    steps (one token a sequence) and each replay is the eager forward of the same tokens."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-
-    def fits(self, batch: int) -> bool:
-        return True
-
-    def covers(self, decode) -> bool:
-        return True
-
-    def run(self, decode, tokens=None) -> object:
-        from samebits.engine.step import ForwardInputs
-        ids = decode.input_ids if tokens is None else tokens.tolist()
-        n, width = len(ids), max(len(t) for t in decode.block_tables)
-        return self.runner._forward(ForwardInputs(
-            list(ids), list(decode.positions), list(decode.slots),
-            [p + 1 for p in decode.positions], list(range(n + 1)),
-            [t + [0] * (width - len(t)) for t in decode.block_tables]))
-
-
 def test_prompt_logprobs_survive_decode_steps_taken_as_graph_replays(tiny_llama_dir):
     """A request keeping prompt logprobs that then decodes through the graph branch (CUDA's
     decode path, stood in for by eager forwards): its decode steps carry no prompt span, and
@@ -62,7 +40,7 @@ def test_prompt_logprobs_survive_decode_steps_taken_as_graph_replays(tiny_llama_
     eager = LLM(str(tiny_llama_dir), seed=0, async_scheduling=False)
     want = eager.generate(prompts, params, use_tqdm=False)
     graphed = LLM(str(tiny_llama_dir), seed=0, async_scheduling=False)
-    graphed.engine.runner.graphs = _EagerGraphs(graphed.engine.runner)
+    graphed.engine.runner.graphs = EagerGraphs(graphed.engine.runner)
     got = graphed.generate(prompts, params, use_tqdm=False)
     for a, b in zip(want, got, strict=True):
         assert a.prompt_logprobs == b.prompt_logprobs

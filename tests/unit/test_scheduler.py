@@ -369,3 +369,56 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
         for s in batch.seqs:
             sched.finish(s, "length")
     assert steps == [[("a", 60)], [("b", 50), ("c", 30)]]
+
+
+def _lookahead(num_blocks: int, lookahead_until: int, max_num_seqs: int = 8) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, False, "fp")
+    return Scheduler(max_num_seqs, 64, kv, lookahead_until=lookahead_until)
+
+
+def _decode_to_boundary(sched: Scheduler, *seqs: Sequence) -> None:
+    """Prefill ``seqs`` (3 tokens each) in one step and sample one token each: their next
+    decode computes position 3, the last of their first block, the step after position 4."""
+    for seq in seqs:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == list(seqs)
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed_tokens += n
+        seq.output_token_ids.append(7)
+
+
+def test_a_decode_at_a_block_boundary_holds_its_next_positions_block_under_lookahead():
+    with_ahead, without = _lookahead(16, lookahead_until=64), _lookahead(16, lookahead_until=0)
+    for sched in (with_ahead, without):
+        seq = _seq("a", 3, max_tokens=8)
+        _decode_to_boundary(sched, seq)
+        batch = sched.schedule()
+        assert batch.num_new_tokens == [1] and seq.num_computed_tokens == 3
+        held = len(seq.block_table)
+        assert held == (2 if sched is with_ahead else 1)  # position 4's block: only looking ahead
+        _check_step(sched, batch)
+
+
+def test_lookahead_stops_at_its_limit_and_never_preempts():
+    seq = _seq("a", 3, max_tokens=8)
+    sched = _lookahead(16, lookahead_until=4)  # position 4 is at the limit: no block for it
+    _decode_to_boundary(sched, seq)
+    sched.schedule()
+    assert len(seq.block_table) == 1
+    full = _lookahead(3, lookahead_until=64, max_num_seqs=3)  # 3 blocks, 3 sequences: one each
+    seqs = [_seq(f"s{i}", 3, max_tokens=8, base=10 * i) for i in range(3)]
+    _decode_to_boundary(full, *seqs)
+    assert full.kv.pool.num_free == 0
+    full.schedule()
+    assert [len(s.block_table) for s in seqs] == [1, 1, 1]
+    assert full.num_preemptions == 0
+
+
+def test_lookahead_keeps_every_sequence_completing_without_leaks():
+    kv = KVCacheManager(9, 2, True, "fp")
+    sched = Scheduler(5, 7, kv, lookahead_until=64)
+    seqs = [_seq(f"s{i}", 1 + (5 * i) % 9, max_tokens=1 + (3 * i) % 6, base=(i % 3) * 50)
+            for i in range(12)]
+    run(sched, seqs)
+    _assert_all_done(sched, seqs)
