@@ -94,21 +94,27 @@ class HostInputs:
         for i in range(self.size):
             table = batch.block_tables[i] if i < n else None
             old, copied = self.copied[i]
-            if old is not table or copied != len(table or ()):
+            if old is not table or copied != self._used(table):
                 self._copy_row(i, table)
         return self.array
 
+    def _used(self, table: list[int] | None) -> int:
+        """The entries of ``table`` a row takes: a graph of this width reads only the blocks of
+        positions below its length bucket, and a table may hold one more (the scheduler's
+        lookahead block, for the step launched after this one)."""
+        return min(len(table or ()), self.width)
+
     def _copy_row(self, i: int, table: list[int] | None) -> None:
         old, copied = self.copied[i]
-        row = self.tables[i]
+        row, used = self.tables[i], self._used(table)
         if table is None:
             row.fill(self.scratch_block)
         elif old is table:  # the same list, grown: only the new entries
-            row[copied:len(table)] = table[copied:]
+            row[copied:used] = table[copied:used]
         else:
-            row[:len(table)] = table
-            row[len(table):] = self.scratch_block
-        self.copied[i] = (table, len(table or ()))
+            row[:used] = table[:used]
+            row[used:] = self.scratch_block
+        self.copied[i] = (table, used)
 
 
 LAYERS_PER_GRAPH = 9  # the largest piece of a decode step's chain of graphs (see _Captured)

@@ -49,3 +49,23 @@ def test_host_inputs_follow_grown_replaced_and_dropped_tables() -> None:
     step([c, a])
     step([c, a, b, [6, 6, 6, 6]])
     step([b])
+
+
+def test_a_table_longer_than_the_graphs_width_fills_only_the_width() -> None:
+    """A sequence at the last position of a length bucket may hold one block more (the
+    scheduler's lookahead block, for the step launched after this one): its row takes the first
+    ``width`` entries, on a fresh fill and as the same list grows into and past the width."""
+    host = HostInputs(size=2, width=3, scratch_block=99, block_size=16)
+    table = [4, 5]
+
+    def fill(tables: list[list[int]]) -> list[int]:
+        batch = DecodeBatch([1] * len(tables), [40] * len(tables), [1] * len(tables), tables)
+        fresh = HostInputs(size=2, width=3, scratch_block=99, block_size=16).fill(batch)
+        got = host.fill(batch).tolist()
+        assert got == fresh.tolist()
+        return got[8:]
+
+    assert fill([table]) == [4, 5, 99, 99, 99, 99]
+    table.extend([6, 7])
+    assert fill([table]) == [4, 5, 6, 99, 99, 99]
+    assert fill([[1, 2, 3, 8], table]) == [1, 2, 3, 4, 5, 6]
