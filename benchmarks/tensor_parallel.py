@@ -35,12 +35,15 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
     from samebits import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
-              max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False)
+              max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False,
+              max_piecewise_tokens=args.max_piecewise_tokens)
     runner = llm.engine.runner
     print(json.dumps({"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
                       "graphs": 0 if runner.graphs is None else len(runner.graphs.graphs),
+                      "piecewise_buckets": 0 if runner.piecewise is None
+                      else len(runner.piecewise.chains),
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
                       else "cpu"}), flush=True)
     vocab = llm.engine.loaded.model_config.vocab_size
@@ -85,6 +88,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each size may take (start, workloads, shutdown) before it is "
                         "stopped and reported as an error")
+    p.add_argument("--max-piecewise-tokens", type=int, default=2048,
+                   help="the engine's option: prefill and mixed steps of up to this many tokens "
+                        "replay piecewise CUDA graphs; 0: eager")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
@@ -95,6 +101,7 @@ def main() -> None:
     for tp in args.tp:
         cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
                "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
+               "--max-piecewise-tokens", str(args.max_piecewise_tokens),
                "--one", str(tp)]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, check=False,

@@ -162,7 +162,11 @@ class EngineConfig:
     # KV tokens per attention split (128 measured better on Hopper than 256: decode at batch 1 /
     # 512 tokens 1.41x SDPA at 256, 1.06x at 128 -- benchmarks/RESULTS.md)
     attention_split_size: int = 128
-    enforce_eager: bool = False  # CUDA: no graphs for decode steps (they never change the bits)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs at all (they never change the bits)
+    # CUDA: prefill and mixed steps of up to this many tokens (and at most
+    # max_num_batched_tokens) replay piecewise CUDA graphs -- every op but attention
+    # (engine.piecewise_graph); 0: they run eagerly. Never changes the bits
+    max_piecewise_tokens: int = 2048
     # CUDA graphs: a decode step's successor is launched before the step's tokens reach the host
     # (its input ids read on the device), and used when the next step is that very batch; the
     # host's bookkeeping between steps then overlaps the device's work (it never changes the bits)
@@ -198,6 +202,10 @@ class EngineConfig:
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if isinstance(self.max_piecewise_tokens, bool) or not isinstance(
+                self.max_piecewise_tokens, int) or self.max_piecewise_tokens < 0:
+            raise ValueError(f"max_piecewise_tokens must be an int >= 0, got "
+                             f"{self.max_piecewise_tokens!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
@@ -269,7 +277,10 @@ class EngineConfig:
                        help="shard the model over N processes (gloo on CPU, NCCL on GPU); every N "
                        "dividing the KV heads gives the bits of N = 1 (one device)")
         p.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+                       help="CUDA: run every step eagerly instead of replaying CUDA graphs")
+        p.add_argument("--max-piecewise-tokens", type=int, default=2048, metavar="TOKENS",
+                       help="CUDA: prefill and mixed steps of up to this many tokens replay "
+                       "CUDA graphs of every op but attention; 0: eager (never changes the bits)")
         p.add_argument("--no-async-scheduling", action="store_true",
                        help="CUDA graphs: wait for a decode step's tokens before launching the "
                             "next step")
@@ -284,6 +295,7 @@ class EngineConfig:
             max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+            max_piecewise_tokens=args.max_piecewise_tokens,
             async_scheduling=not args.no_async_scheduling,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             tensor_parallel_size=args.tensor_parallel_size)

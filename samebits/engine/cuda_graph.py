@@ -262,18 +262,24 @@ class _Captured:
 
 
 @contextlib.contextmanager
-def _capture_into(graph: torch.cuda.CUDAGraph, pool, ops) -> Iterator[None]:
-    """``torch.cuda.graph`` under ``ops.as_captured()`` (the variants the warm-up compiled), with
-    the garbage collector paused: a collection mid-capture runs finalizers whose CUDA calls
-    (freeing events, pinned buffers) can invalidate the capture."""
+def gc_paused() -> Iterator[None]:
+    """The garbage collector paused (around a capture): a collection mid-capture runs
+    finalizers whose CUDA calls (freeing events, pinned buffers) can invalidate the capture."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool), ops.as_captured():
-            yield
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _capture_into(graph: torch.cuda.CUDAGraph, pool, ops) -> Iterator[None]:
+    """``torch.cuda.graph`` under ``ops.as_captured()`` (the variants the warm-up compiled),
+    with the garbage collector paused."""
+    with gc_paused(), torch.cuda.graph(graph, pool=pool), ops.as_captured():
+        yield
 
 
 class DecodeGraphs:

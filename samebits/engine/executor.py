@@ -43,6 +43,7 @@ from samebits.config import EngineConfig
 from samebits.distributed.group import TPGroup, check_free, run_bounded
 from samebits.distributed.message_queue import MessageQueue
 from samebits.engine.cuda_graph import DecodeGraphs
+from samebits.engine.piecewise_graph import PiecewiseGraphs
 from samebits.engine.runner import ModelRunner
 from samebits.engine.worker import rank_main
 from samebits.loader import LoadedModel, load, rank_device
@@ -104,7 +105,8 @@ class Ranks:
         self.failure: str | None = None
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
-        self.graphs: weakref.ref[DecodeGraphs] | None = None  # rank 0's, released before the group
+        # rank 0's CUDA graphs, released before the group
+        self.graphs: list[weakref.ref[DecodeGraphs | PiecewiseGraphs]] = []
         self.queue = MessageQueue.create(readers=self.world - 1)
         self.queue.check = self._check_failure  # a write waiting on a dead rank raises
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
@@ -187,17 +189,18 @@ class Ranks:
         self.failure = self._death(sentinels[ready[0]], starting=False)
         self.group.abort()  # returns once the caller's error released the graphs (``guard``)
 
-    def hold_graphs(self, graphs: DecodeGraphs) -> None:
-        """Rank 0's CUDA graphs, destroyed before its side of the group is released (held weakly:
-        the runner owns them)."""
-        self.graphs = weakref.ref(graphs)
+    def hold_graphs(self, graphs: DecodeGraphs | PiecewiseGraphs) -> None:
+        """One of rank 0's sets of CUDA graphs, destroyed before its side of the group is
+        released (held weakly: the runner owns them)."""
+        self.graphs.append(weakref.ref(graphs))
 
     def _release_graphs(self) -> None:
         """Destroy rank 0's graphs, wherever they are still referenced (main thread only: no
         replay runs beside it)."""
-        graphs = None if self.graphs is None else self.graphs()
-        if graphs is not None:
-            graphs.release()
+        for ref in self.graphs:
+            graphs = ref()
+            if graphs is not None:
+                graphs.release()
 
     def check(self) -> None:
         if self.closing:

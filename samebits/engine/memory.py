@@ -20,6 +20,7 @@ import torch
 
 from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
 from samebits.engine.cuda_graph import DecodeGraphs, batch_bucket
+from samebits.engine.piecewise_graph import token_buckets
 from samebits.log import get_logger
 from samebits.ops.backend import AttentionMetadata
 
@@ -64,7 +65,9 @@ class KVBudget:
         """Peak bytes of an eager prefill of ``max_num_batched_tokens`` tokens with its sampling
         rows, plus, when decode steps run in CUDA graphs, the graph pool: the peak of a decode step
         of ``max_num_seqs`` sequences planned for the longest context (the temporaries every
-        captured graph shares) and each graph's output."""
+        captured graph shares) and each graph's output; with piecewise graphs, their pool too (at
+        most the eager prefill's peak: the same forward, at most as many rows), each chain's
+        output and the q and attention buffers."""
         cfg, model, bs = self.config, self.model, self.config.block_size
         t = cfg.max_num_batched_tokens
         nb = -(-t // bs) + 1
@@ -79,7 +82,16 @@ class KVBudget:
         decode = self._peak(lambda: self._scratch_decode(caches, n))
         outputs = DecodeGraphs.count(cfg.max_num_seqs, self.max_model_len, cfg.attention_split_size) \
             * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
-        return prefill + decode + outputs
+        return prefill + decode + outputs + self._piecewise_reserve(prefill)
+
+    def _piecewise_reserve(self, prefill: int) -> int:
+        cfg, model = self.config, self.model
+        tokens = min(cfg.max_piecewise_tokens, cfg.max_num_batched_tokens)
+        if tokens == 0 or not hasattr(model, "run_layers"):
+            return 0
+        attn = model.layers[0].self_attn
+        rows = sum(token_buckets(tokens)) * model.cfg.hidden_size + 2 * tokens * attn.hq * attn.d
+        return prefill + rows * self.dtype.itemsize
 
     def _peak(self, fn) -> int:
         torch.cuda.synchronize(self.device)

@@ -23,6 +23,7 @@ from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
+from samebits.engine.piecewise_graph import PiecewiseGraphs
 from samebits.engine.readback import ranks_of, read_tokens, row_top, start_read, top_of
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
@@ -55,6 +56,7 @@ class ModelRunner:
         self.ahead: AheadStep | None = None  # async scheduling: the next decode step, in flight
         self.ahead_steps_used = 0  # steps served by a step launched ahead, since start
         self.graphs = self._new_graphs()
+        self.piecewise = self._new_piecewise()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
@@ -153,9 +155,10 @@ class ModelRunner:
         NCCL communicator whose collectives it captured, which cannot be released before it."""
         self.discard_ahead()
         self.hidden.clear()
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.piecewise = None
 
     # ---- the calls every rank makes: rank 0 announces each first (``follow``) ---------------
     def _guard(self) -> contextlib.AbstractContextManager[None]:
@@ -179,16 +182,18 @@ class ModelRunner:
         """The eager forward of ``inputs``: hidden states [T, H], kept as slot "main"."""
         self._announce("forward", inputs)
         dev = self.device
-        meta = AttentionMetadata(
+        meta = self.model.ops.plan_attention(AttentionMetadata(
             block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
             seq_lens_list=tuple(inputs.seq_lens), query_start_loc_list=tuple(inputs.query_start_loc),
-            block_size=self.block_size, split_size=self.config.attention_split_size)
-        hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
-                            torch.tensor(inputs.positions, device=dev), self.kv_caches,
-                            self.model.ops.plan_attention(meta))
+            block_size=self.block_size, split_size=self.config.attention_split_size))
+        if self.piecewise is not None and self.piecewise.covers(len(inputs.input_ids)):
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.slots, meta)
+        else:
+            hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
+                                torch.tensor(inputs.positions, device=dev), self.kv_caches, meta)
         self.hidden["main"] = hidden
         return hidden
 
@@ -385,12 +390,25 @@ class ModelRunner:
             self.peers.hold_graphs(graphs)
         return graphs
 
+    def _new_piecewise(self) -> PiecewiseGraphs | None:
+        """The piecewise CUDA graphs of prefill and mixed steps (None: eager, CPU, a model without
+        ``run_layers``, or ``max_piecewise_tokens`` 0)."""
+        config = self.config
+        tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+        if self.graphs is None or tokens == 0 or not hasattr(self.model, "run_layers"):
+            return None
+        graphs = PiecewiseGraphs(self.model, self.kv_caches, tokens, config.block_size,
+                                 config.attention_split_size, scratch_block=self.num_blocks)
+        if self.peers is not None:
+            self.peers.hold_graphs(graphs)
+        return graphs
+
     def sleep(self, offload_weights: bool) -> None:
         """Free the KV cache and the CUDA graphs that read it; with ``offload_weights``, move the
         weights to host memory too (on CUDA; on CPU they already are). Nothing runs until
         ``wake_up``."""
         self.discard_ahead()
-        self.graphs, self.kv_caches = None, []
+        self.graphs, self.piecewise, self.kv_caches = None, None, []
         if offload_weights and self.device.type == "cuda":
             for p in self.model.parameters():
                 host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
@@ -408,3 +426,4 @@ class ModelRunner:
         if kv_cache:
             self.kv_caches = self._new_kv_caches()
             self.graphs = self._new_graphs()
+            self.piecewise = self._new_piecewise()

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs
+from samebits.engine.piecewise_graph import PiecewiseGraphs
 from samebits.engine.request_error import RequestError
 from samebits.engine.sequence import Sequence
 
@@ -27,7 +28,7 @@ class Peers(Protocol):
 
     def close(self) -> None: ...
 
-    def hold_graphs(self, graphs: DecodeGraphs) -> None: ...
+    def hold_graphs(self, graphs: DecodeGraphs | PiecewiseGraphs) -> None: ...
 
 
 @dataclass

@@ -185,7 +185,25 @@ class OpBackend(Protocol):
 
 
 class GraphableBackend(OpBackend, Protocol):
-    """A backend whose decode step can be captured in a CUDA graph and replayed."""
+    """A backend whose decode step can be captured in a CUDA graph and replayed, and whose
+    forward can be captured piecewise around its attention (``engine.piecewise_graph``): the
+    attention prologue and the attention write into buffers the caller owns."""
+
+    def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       hq: int, hkv: int, d: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """``OpBackend.qkv_rope_store``, q written into ``out`` [T, Hq, D] (contiguous) when
+        given, with the same bits."""
+        ...
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """``OpBackend.attention``, written into ``out`` [T, Hq, D] (contiguous) when given, with
+        the same bits."""
+        ...
 
     def plan_decode(self, meta: AttentionMetadata, positions: torch.Tensor, max_len: int
                     ) -> AttentionMetadata:

@@ -133,10 +133,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
 def qkv_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   hq: int, hkv: int, d: int) -> torch.Tensor:
+                   hq: int, hkv: int, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The composition (``samebits.ops.rope``) over the tiled RMSNorm."""
     return rope.qkv_rope_store(_rms_norm, qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache,
-                               slot_mapping, hq, hkv, d)
+                               slot_mapping, hq, hkv, d, out)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -180,10 +180,12 @@ def _plan(meta: AttentionMetadata) -> SplitPlan:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal paged split attention; see the module docstring."""
+              meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Causal paged split attention (into ``out`` when given); see the module docstring."""
     plan = meta.plan if isinstance(meta.plan, SplitPlan) else _plan(meta)
-    return split_attention(q, k_cache, v_cache, plan, scale, meta.split_size)
+    o = split_attention(q, k_cache, v_cache, plan, scale, meta.split_size)
+    return o if out is None else out.copy_(o)
 
 
 def _encoder_plan(layout: SeqLayout) -> SplitPlan:

@@ -30,9 +30,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def qkv_rope_store(rms_norm: RMSNorm, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   hq: int, hkv: int, d: int) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) D] -> q = rope(norm(q)) [T, Hq, D], contiguous; k = rope(norm(k)) and
-    v written to ``slot_mapping``'s slots of the caches [num_blocks, block_size, Hkv, D]."""
+                   hq: int, hkv: int, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] -> q = rope(norm(q)) [T, Hq, D], contiguous (written into
+    ``out`` when given); k = rope(norm(k)) and v written to ``slot_mapping``'s slots of the caches
+    [num_blocks, block_size, Hkv, D]."""
     t = qkv.shape[0]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
@@ -40,4 +41,4 @@ def qkv_rope_store(rms_norm: RMSNorm, qkv: torch.Tensor, cos: torch.Tensor, sin:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping)
-    return q.contiguous()
+    return q.contiguous() if out is None else out.copy_(q)

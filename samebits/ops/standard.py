@@ -58,10 +58,11 @@ class StandardBackend(StandardEncoderOps):
     def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       hq: int, hkv: int, d: int) -> torch.Tensor:
+                       hq: int, hkv: int, d: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """The stock composition (``samebits.ops.rope``)."""
         return rope.qkv_rope_store(self._rms_norm, qkv, cos, sin, q_norm, k_norm, eps, k_cache,
-                                   v_cache, slot_mapping, hq, hkv, d)
+                                   v_cache, slot_mapping, hq, hkv, d, out)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
@@ -73,10 +74,12 @@ class StandardBackend(StandardEncoderOps):
         return meta
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """SDPA over contexts gathered from the cache: every single-query sequence (decode) in
-        one padded call, each longer chunk (prefill) in a call of its own."""
-        out = torch.empty_like(q)
+        one padded call, each longer chunk (prefill) in a call of its own (into ``out`` when
+        given)."""
+        out = torch.empty_like(q) if out is None else out
         qsl = meta.query_start_loc_list
         decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
         if decode:

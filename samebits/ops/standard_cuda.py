@@ -82,10 +82,11 @@ class StandardCudaBackend(StandardBackend):
         return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         p = meta.plan if isinstance(meta.plan, paged.TritonAttentionPlan) else \
             self.plan_attention(meta).plan
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         paged.decode(q, k_cache, v_cache, meta, p, scale, out)
         qsl = meta.query_start_loc_list
         for b in range(meta.num_seqs):

@@ -154,10 +154,12 @@ def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+              meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D] (``out``,
+    contiguous, when given)."""
     p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     decode(q, k_cache, v_cache, meta, p, scale, out)
     prefill(q, k_cache, v_cache, meta, p, scale, out)
     return out

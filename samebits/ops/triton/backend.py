@@ -95,10 +95,12 @@ class TritonBackend(InvariantEncoderOps):
     def qkv_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       hq: int, hkv: int, d: int) -> torch.Tensor:
+                       hq: int, hkv: int, d: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """One kernel (rope.py) with the composition's bits; the composition where it does not
         apply (mixed dtypes, strided operands)."""
-        args = (qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, hq, hkv, d)
+        args = (qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, hq, hkv, d,
+                out)
         if rope.supports(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, hq, hkv, d):
             return rope.qkv_rope_store(*args)
         return composed_prologue(rms_norm.rms_norm, *args)
@@ -123,8 +125,9 @@ class TritonBackend(InvariantEncoderOps):
         return launcher.as_captured()
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return attention.attention(q, k_cache, v_cache, meta, scale)
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        return attention.attention(q, k_cache, v_cache, meta, scale, out)
 
     # encoder attention: fixed-shape torch products (samebits.ops.encoder_cuda)
     plan_encoder = staticmethod(encoder_cuda.plan_encoder)

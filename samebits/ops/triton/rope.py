@@ -151,11 +151,12 @@ def supports(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: to
 def qkv_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   hq: int, hkv: int, d: int) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D]; K/V written to their slots (module docstring).
-    One launch; no host value of the batch but T (CUDA-graph safe)."""
+                   hq: int, hkv: int, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] (``out``, contiguous, when given); K/V written to
+    their slots (module docstring). One launch; no host value of the batch but T (CUDA-graph
+    safe)."""
     t = qkv.shape[0]
-    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     if t == 0:
         return q
     rows, block, warps = _shape(d)

@@ -1,0 +1,217 @@
+"""Piecewise CUDA graphs for prefill and mixed steps: every op of the forward but attention is
+captured, once per token bucket, as a chain of graphs cut at each layer's attention; a step
+replays its bucket's chain and runs each layer's attention eagerly between two graphs, planned
+for the step's own sequences.
+
+Why. An eager forward launches ~11 kernels a layer at tens of microseconds of host time each
+(~25 ms a 2048-token step of an 8B model). Under tensor parallel a rank's GPU work per step
+halves and the host's does not, so the device idles between launches. A replay costs a graph
+launch a layer, plus the attention's own few launches.
+
+Bits. A forward of T tokens runs in the chain of the smallest bucket >= T (``token_bucket``);
+rows T.. are padding: token 0 at position 0, its K/V written to the scratch block's first slot,
+never attended to or sampled. The captured kernels are the eager forward's at the bucket's row
+count, and in the invariant backend a row's bits do not depend on the number of rows or on the
+other rows (ops/backend.py); each real row's attention is the eager forward's launch on the same
+plan. So a step's hidden states are the eager forward's bit for bit (tests/gpu checks it).
+
+Buffers. Every layer's attention prologue writes q into one buffer (``qkv_rope_store(out=)``)
+and every attention its output into another (``attention(out=)``), both shared by the layers and
+the buckets: layer i's attention reads q before layer i+1's graph overwrites it, and layer i+1's
+graph reads the output before attention i+1 overwrites it (stream order). The chains' graphs
+share one memory pool (captured largest first, replayed one chain at a time); a chain keeps its
+hidden output [bucket, H].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from samebits.engine.cuda_graph import Staging, gc_paused
+from samebits.ops.backend import AttentionMetadata
+
+log = logging.getLogger("samebits.engine")
+
+SMALLEST_BUCKET = 16
+POWER_OF_TWO_UP_TO = 512  # buckets above are multiples of it
+
+
+def token_bucket(n: int) -> int:
+    """The captured token count that serves a forward of ``n`` tokens: 16, 32, ..., 512, then
+    multiples of 512."""
+    if n <= POWER_OF_TWO_UP_TO:
+        return max(SMALLEST_BUCKET, 1 << (n - 1).bit_length())
+    return -(-n // POWER_OF_TWO_UP_TO) * POWER_OF_TWO_UP_TO
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every bucket a forward of 1..``max_tokens`` tokens can use, ascending: ``token_bucket``'s,
+    the largest capped at ``max_tokens``."""
+    buckets = [token_bucket(1)]
+    while buckets[-1] < max_tokens:
+        buckets.append(token_bucket(buckets[-1] + 1))
+    return buckets[:-1] + [min(buckets[-1], max_tokens)]
+
+
+class _Splitter:
+    """Stands in for ``model.ops`` while a bucket's forward is warmed up or captured: every op
+    is the backend's, but the attention prologue writes q into the shared buffer, and the
+    attention is not run -- it records its layer's operands, calls ``cut`` (the capture ends its
+    graph there and begins the next) and returns the shared output buffer."""
+
+    def __init__(self, ops, q: torch.Tensor, o: torch.Tensor, cut: Callable[[], None]) -> None:
+        self._ops, self._q, self._o, self._cut = ops, q, o, cut
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._ops, name)
+
+    def qkv_rope_store(self, qkv: torch.Tensor, *args) -> torch.Tensor:
+        return self._ops.qkv_rope_store(qkv, *args, out=self._q[:qkv.shape[0]])
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if q.data_ptr() != self._q.data_ptr() or not q.is_contiguous():
+            raise RuntimeError("piecewise CUDA graphs: the attention does not read the q its "
+                               "qkv_rope_store wrote")
+        self.calls.append((k_cache, v_cache, scale))
+        self._cut()
+        return self._o[:q.shape[0]]
+
+
+class _Chain:
+    """One bucket's forward: graph 0, attention 0, graph 1, ..., attention L-1, graph L."""
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph],
+                 calls: list[tuple[torch.Tensor, torch.Tensor, float]], hidden: torch.Tensor
+                 ) -> None:
+        self.graphs, self.calls, self.hidden = graphs, calls, hidden
+
+
+class PiecewiseGraphs:
+    """Captures, at construction, the chain of every token bucket up to ``max_tokens`` (so no
+    request waits for a capture); ``run`` replays a forward of up to ``max_tokens`` tokens."""
+
+    def __init__(self, model, kv_caches: list, max_tokens: int, block_size: int,
+                 split_size: int, scratch_block: int) -> None:
+        """``model.ops`` must be a ``GraphableBackend`` (ops/backend.py) and the model a decoder
+        whose layers call ``qkv_rope_store`` then ``attention`` on its q (``run_layers``)."""
+        self.model, self.kv_caches, self.max_tokens = model, kv_caches, max_tokens
+        self.block_size, self.split_size = block_size, split_size
+        self.buckets = token_buckets(max_tokens)
+        dev, size = kv_caches[0][0].device, self.buckets[-1]
+        attn = model.layers[0].self_attn
+        self.q = torch.zeros(size, attn.hq, attn.d, dtype=kv_caches[0][0].dtype, device=dev)
+        self.o = torch.zeros_like(self.q)
+        self.staging = Staging(3 * size, dev)
+        self.host = np.empty((3, size), dtype=np.int64)
+        self.pad = np.array([0, 0, scratch_block * block_size], dtype=np.int64)[:, None]
+        self.host[:] = self.pad
+        ints = self.staging.device.view(3, size)
+        self.input_ids, self.positions, self.slots = ints[0], ints[1], ints[2]
+        self.staging.send(self.host.reshape(-1))
+        self.pool = torch.cuda.graph_pool_handle()
+        self.chains: dict[int, _Chain] = {}
+        self.steps = 0  # forwards replayed, since start
+        self.capture_seconds = self._capture_all()
+
+    def _capture_all(self) -> float:
+        start, before = time.perf_counter(), torch.cuda.memory_allocated()
+        buckets = self.buckets[::-1]  # largest first: the pool is sized once
+        for t in tqdm(buckets, desc="capturing piecewise CUDA graphs", unit="bucket",
+                      leave=False):
+            self.chains[t] = self._capture(t)
+        seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured piecewise CUDA graphs for steps of up to %d tokens (buckets %s) in "
+                 "%.1f s, %.0f MiB", self.max_tokens, buckets[::-1], seconds,
+                 self.memory_bytes / 2**20)
+        return seconds
+
+    def _capture(self, t: int) -> _Chain:
+        """Bucket ``t``'s chain: the forward run once eagerly (compiling every kernel the capture
+        launches), then captured, cut at each attention."""
+        ops, dev = self.model.ops, self.q.device
+        with ops.as_captured(), self._split(lambda: None):
+            self._forward(t)
+        torch.cuda.synchronize(dev)
+        graphs = [torch.cuda.CUDAGraph()]
+
+        def cut() -> None:
+            graphs[-1].capture_end()
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=self.pool)
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream), gc_paused(), ops.as_captured(), \
+                self._split(cut) as splitter:
+            graphs[0].capture_begin(pool=self.pool)
+            try:
+                hidden = self._forward(t)
+            finally:
+                graphs[-1].capture_end()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if len(splitter.calls) != len(self.model.layers):
+            raise RuntimeError(f"piecewise CUDA graphs: {len(splitter.calls)} attention calls in "
+                               f"a forward of {len(self.model.layers)} layers")
+        return _Chain(graphs, splitter.calls, hidden)
+
+    def _forward(self, t: int) -> torch.Tensor:
+        """The model's forward over the first ``t`` rows of the graphs' inputs (the attention
+        metadata is a placeholder: the splitter runs no attention)."""
+        dev = self.q.device
+        meta = AttentionMetadata(
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((1,), t, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            slot_mapping=self.slots[:t], seq_lens_list=(t,), query_start_loc_list=(0, t),
+            block_size=self.block_size, split_size=self.split_size)
+        return self.model(self.input_ids[:t], self.positions[:t], self.kv_caches, meta)
+
+    @contextlib.contextmanager
+    def _split(self, cut: Callable[[], None]) -> Iterator[_Splitter]:
+        ops = self.model.ops
+        self.model.ops = splitter = _Splitter(ops, self.q, self.o, cut)
+        try:
+            yield splitter
+        finally:
+            self.model.ops = ops
+
+    def covers(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, H] of a forward of these tokens: the chain of their bucket, with
+        each layer's attention run on ``meta`` (planned: ``ops.plan_attention``) between its
+        graphs."""
+        t = len(input_ids)
+        chain = self.chains[min(token_bucket(t), self.buckets[-1])]
+        self.host[:, :t] = (input_ids, positions, slots)
+        self.host[:, t:] = self.pad
+        self.staging.send(self.host.reshape(-1))
+        ops, q, o = self.model.ops, self.q[:t], self.o[:t]
+        for graph, (k_cache, v_cache, scale) in zip(chain.graphs, chain.calls, strict=False):
+            graph.replay()
+            ops.attention(q, k_cache, v_cache, meta, scale, out=o)
+        chain.graphs[-1].replay()
+        self.steps += 1
+        return chain.hidden[:t]
+
+    def release(self) -> None:
+        """Destroy every captured graph now, whoever still holds this object (a replay in flight
+        completes first); none is left to run."""
+        for chain in self.chains.values():
+            for graph in chain.graphs:
+                graph.reset()
+            chain.graphs = []
+        self.chains.clear()
+
