@@ -69,3 +69,19 @@ def tp_trace_dir() -> Path | None:
     (off) when unset or empty."""
     raw = os.environ.get("SAMEBITS_TP_TRACE")
     return Path(raw).expanduser() if raw else None
+
+
+def tp_push() -> bool:
+    """SAMEBITS_TP_PUSH=0|1 (default 0): two CUDA ranks exchange their row-parallel layers' fp32
+    sums by writing them into each other's symmetric-memory buffer and meeting at a device-side
+    barrier (``samebits.distributed.symmetric``) instead of NCCL's gather: the same values in the
+    same slots, so the same bits. Read by every rank when it connects."""
+    return _bool("SAMEBITS_TP_PUSH", False)
+
+
+def keep_torch_multicast_off() -> None:
+    """The one variable samebits sets, for torch, before allocating symmetric memory:
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set. samebits never uses NVLink multicast
+    (its pushes are plain copies to the peer's buffer), so the rendezvous need not create a
+    multicast object, and torch's barrier then takes its signal-pad kernel."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

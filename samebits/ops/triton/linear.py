@@ -42,7 +42,7 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, tree_sum
+from samebits.ops.backend import KBounds, check_sum_out, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 from samebits.ops.triton.linear_tiles import (
@@ -92,26 +92,34 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
     return _fp32_product(x, w, SegmentLayout.from_bounds(k_bounds, x.shape[-1]), keep=True)
 
 
-def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., N] fp32: ``tree_sum(partials(x, w, k_bounds))``, uncast (a tensor-parallel rank's
     sum of its own segments), in the schedule ``run`` picks (the partials tree-summed in
-    registers, or written and summed by ``_sum_partials_kernel``)."""
+    registers, or written and summed by ``_sum_partials_kernel``). ``out``: a contiguous fp32
+    [..., N] tensor on x's device the kernels store into (``check_sum_out``), returned."""
     layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
+    if out is not None:
+        check_sum_out(out, x, w.shape[0], torch.float32)
     if layout.count == 1:  # the one partial, by the split schedule's program
-        return _fp32_product(x, w, layout, keep=True)[0]
-    return _fp32_product(x, w, layout, keep=False)
+        return _fp32_product(x, w, layout, keep=True, out=out)[0]
+    return _fp32_product(x, w, layout, keep=False, out=out)
 
 
-def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool
-                  ) -> torch.Tensor:
+def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w.T over ``layout``'s segments in fp32: [S, ..., N] partials (``keep``), or
-    their tree sum [..., N]."""
+    their tree sum [..., N]; into ``out`` (contiguous, [S, ..., N] or [..., N]: its elements in
+    that order) when given, else a new tensor."""
     *lead, k = x.shape
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     parts = (layout.count,) if keep else ()
-    out = x2.new_empty(*parts, m, n, dtype=torch.float32)
+    if out is None:
+        out = x2.new_empty(*parts, m, n, dtype=torch.float32)
+    else:
+        out = out.view(*parts, m, n)
     if m and n:
         run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
     return out.reshape(*parts, *lead, n)

@@ -1,0 +1,187 @@
+"""Row-parallel sums exchanged through torch's symmetric memory: push, then a device barrier.
+
+Under tensor parallel a row-parallel layer (o_proj, down_proj) ends with every rank's fp32 [T, H]
+sum of its own K segments stacked in rank order, [N, T, H], which the next norm adds in the rank
+tree (``samebits.models.parallel.RowParallelLinear.gathered``). With ``SAMEBITS_TP_PUSH=1`` on
+CUDA a ``PushExchange`` builds that stack instead of NCCL's gather, with the same fp32 values in
+the same slots -- so the same bits:
+
+- Buffers: one symmetric-memory fp32 tensor per rank, [RINGS, N * PUSH_MAX_ROWS * width],
+  rendezvoused over the world group when the group connects (``open_exchange``); each rank maps
+  its peers' tensors (torch's ``get_remote_tensor``). For an exchange of T rows of H values
+  (T <= PUSH_MAX_ROWS, H <= width), rank r's sum sits at [r T H, (r + 1) T H) of a ring, so the
+  ring's first N T H values, viewed [N, T, H], are contiguous: the layout of NCCL's gather.
+- One exchange on ring i, in each rank's stream order: the row-parallel GEMM writes this rank's
+  sum straight into its slot of its own ring i (``linear_sum(..., out=slot)``); a copy of that
+  slot into the same slot of every peer's ring i (a device-to-device copy through the peer
+  mapping, over NVLink); torch's ``barrier`` on channel 0 (one kernel on the current stream: it
+  signals every peer and waits for every peer's signal); then the norm reads ring i as [N, T, H].
+  Each peer issued its copy into this rank's ring i before its own barrier, so once this rank's
+  barrier returns every peer's slot is written.
+- Why a ring of two: a rank's copy into ring i for exchange e + 2 must not land while a peer
+  still reads ring i for exchange e. The rank issues that copy after its barrier of exchange
+  e + 1, which returns only once every peer has reached its own barrier e + 1 -- that is, every
+  peer's stream has run its norm of exchange e (GEMM -> push -> barrier -> norm reads, in order).
+  With one buffer each exchange would need a second barrier after the reads. Layers take rings
+  0, 1, 0, 1 in the order they are built (``TPGroup.reserve_push``), the order a forward runs them
+  (o_proj then down_proj, layer by layer), and ``takes_push`` refuses, at run time, a push into
+  the ring of the previous push when no NCCL gather or all-reduce (which every rank reaches only
+  after its earlier reads) came between: that exchange takes the gather.
+
+Every rank takes the same path for the same layer and step: ``takes_push`` reads the row count and
+width (the same on every rank), the layer's ring (the same model on every rank), the ring of the
+previous push (the same sequence of collectives on every rank) and whether the exchange exists
+(agreed on by every rank at connect, ``open_exchange``). The barrier and the copies are device
+work on the current stream with no host value of the batch: a CUDA graph captures them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from samebits import env
+
+if TYPE_CHECKING:
+    from samebits.distributed.group import TPGroup
+
+log = logging.getLogger("samebits.engine")
+
+RINGS = 2  # buffers alternated between consecutive row-parallel layers (module docstring)
+# the most rows an exchange pushes (the default max_num_batched_tokens: every step of the default
+# engine); more rows take NCCL's gather
+PUSH_MAX_ROWS = 2048
+BARRIER_CHANNEL = 0  # the signal-pad channel of every push's barrier
+# a barrier waiting this long for a peer traps (the device kernel aborts the process's CUDA
+# context), as long as a collective waits for its peers (samebits.distributed.group.TIMEOUT)
+BARRIER_TIMEOUT_MS = 30 * 60 * 1000
+
+
+class PushExchange:
+    """A rank's symmetric buffers and its peers' (module docstring). ``local``: this rank's
+    [RINGS, N * max_rows * width] fp32 tensor; ``peers``: every other rank's, mapped here, by
+    rank; ``barrier``: a device-side barrier of every rank on the current stream; ``handle``:
+    whatever keeps the mappings alive (torch's symmetric-memory handle)."""
+
+    def __init__(self, local: torch.Tensor, peers: dict[int, torch.Tensor],
+                 barrier: Callable[[], None], rank: int, width: int,
+                 max_rows: int = PUSH_MAX_ROWS, handle: object = None) -> None:
+        world = len(peers) + 1
+        if local.shape != (RINGS, world * max_rows * width) or local.dtype != torch.float32:
+            raise ValueError(f"PushExchange: local buffer {tuple(local.shape)} {local.dtype}, "
+                             f"expected ({RINGS}, {world * max_rows * width}) float32")
+        if sorted(peers) != [r for r in range(world) if r != rank]:
+            raise ValueError(f"PushExchange: rank {rank}'s peers are {sorted(peers)}")
+        self.local, self.peers, self.barrier, self.handle = local, peers, barrier, handle
+        self.rank, self.world_size, self.width, self.max_rows = rank, world, width, max_rows
+
+    def fits(self, rows: int, width: int) -> bool:
+        """Whether an exchange of ``rows`` x ``width`` fp32 values fits a ring."""
+        return 0 < rows <= self.max_rows and 0 < width <= self.width
+
+    def slot(self, ring: int, rows: int, width: int) -> torch.Tensor:
+        """This rank's [rows * width] slot of its own ring ``ring``: where its sum is written."""
+        n = rows * width
+        return self.local[ring, self.rank * n:(self.rank + 1) * n]
+
+    def exchange(self, ring: int, rows: int, width: int) -> torch.Tensor:
+        """[N, rows, width]: this rank's slot (written) copied into every peer's same slot, then
+        the barrier; every rank's sum in rank order, in this rank's ring ``ring``."""
+        n = rows * width
+        mine = self.slot(ring, rows, width)
+        for buffer in self.peers.values():
+            buffer[ring, self.rank * n:(self.rank + 1) * n].copy_(mine)
+        self.barrier()
+        return self.local[ring, :self.world_size * n].view(self.world_size, rows, width)
+
+    def probe(self) -> bool:
+        """One exchange of one row on each ring, rank r sending r + 1: whether every rank's
+        value arrived in its slot (a mapping to the wrong place fails here, not in a step)."""
+        ranks = torch.arange(1, self.world_size + 1, dtype=torch.float32,
+                             device=self.local.device)
+        want = ranks.view(-1, 1, 1).expand(self.world_size, 1, self.width)
+        ok = True
+        for ring in range(RINGS):
+            self.slot(ring, 1, self.width).fill_(self.rank + 1.0)
+            ok = torch.equal(self.exchange(ring, 1, self.width), want) and ok
+        return ok
+
+
+def takes_push(exchange: PushExchange | None, ring: int, last_ring: int | None, rows: int,
+               width: int) -> bool:
+    """Whether a row-parallel layer of ring ``ring`` pushes ``rows`` x ``width`` (else NCCL
+    gathers): an exchange exists, the rows fit a ring, and the previous push since the last NCCL
+    gather or all-reduce (``last_ring``; None: none) used the other ring."""
+    return exchange is not None and exchange.fits(rows, width) and ring != last_ring
+
+
+def wanted(device_type: str, world_size: int, width: int) -> bool:
+    """Whether a group opens an exchange: CUDA ranks, several of them, a row-parallel layer that
+    pushes (``width`` > 0), and ``SAMEBITS_TP_PUSH`` on."""
+    return device_type == "cuda" and world_size > 1 and width > 0 and env.tp_push()
+
+
+def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
+    """The group's exchange for rows up to ``width`` values wide, allocated, rendezvoused and
+    probed; None on every rank (logged) unless every rank has one. The ranks agree (``min_int``)
+    after allocating, so no rank enters the rendezvous alone, and after the rendezvous, so no rank
+    probes alone; a probe that returns wrong values on any rank raises on every rank."""
+    if not wanted(group.device.type, group.world_size, width):
+        return None
+    local = _symmetric_empty((RINGS, group.world_size * PUSH_MAX_ROWS * width), group.device)
+    if group.min_int(int(local is not None)) == 0:
+        return None
+    exchange = _rendezvous(local, group.rank, group.world_size, width)
+    if group.min_int(int(exchange is not None)) == 0:
+        return None
+    if group.min_int(int(exchange.probe())) == 0:
+        raise RuntimeError(f"tensor parallel: rank {group.rank}'s symmetric-memory push probe "
+                           "did not deliver every rank's value to its slot")
+    return exchange
+
+
+def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """An fp32 tensor of torch's symmetric memory on ``device``; None (logged) where torch cannot
+    allocate one. NVLink multicast stays off (``env.keep_torch_multicast_off``)."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        env.keep_torch_multicast_off()
+        return symm_mem.empty(*shape, dtype=torch.float32, device=device)
+    except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
+        log.warning("tensor parallel: no symmetric memory (%s: %s); the row-parallel sums take "
+                    "NCCL's gather", type(e).__name__, e)
+        return None
+
+
+def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int) -> PushExchange | None:
+    """``local`` rendezvoused over the world group and every rank's tensor mapped; None
+    (logged) where that fails or this rank's own mapping is not ``local`` itself."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
+        mapped = {r: _mapped(handle, r, local) for r in range(world)}
+        if mapped[rank].data_ptr() != local.data_ptr():
+            raise RuntimeError("this rank's mapping is not its own tensor")
+    except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
+        log.warning("tensor parallel: symmetric memory rendezvous failed (%s: %s); the "
+                    "row-parallel sums take NCCL's gather", type(e).__name__, e)
+        return None
+    barrier = functools.partial(handle.barrier, channel=BARRIER_CHANNEL,
+                                timeout_ms=BARRIER_TIMEOUT_MS)
+    peers = {r: t for r, t in mapped.items() if r != rank}
+    return PushExchange(local, peers, barrier, rank, width, handle=handle)
+
+
+def _mapped(handle, rank: int, like: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s tensor rendezvoused as ``like``, mapped on this device: torch's
+    ``get_remote_tensor`` (the tensor's own offset in its allocation), else ``get_buffer`` at
+    the allocation's start (torch versions without it)."""
+    remote = getattr(handle, "get_remote_tensor", None)
+    if remote is not None:
+        return remote(rank, tuple(like.shape), like.dtype)
+    return handle.get_buffer(rank, tuple(like.shape), like.dtype)
