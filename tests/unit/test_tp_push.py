@@ -1,0 +1,319 @@
+"""The push exchange of row-parallel sums (``SAMEBITS_TP_PUSH``; ``samebits.distributed.symmetric``)
+on CPU: ``linear_sum(..., out=)``, the choice of path and ring, and ranks run as threads.
+
+What the tests prove, bit for bit where bits are compared:
+- ``linear_sum(x, w, k_bounds, out=slot)`` writes into ``slot`` (a view at an offset of a larger
+  buffer, as a rank's slot is) exactly the bits it returns without ``out``, and nothing outside it,
+  on the CPU reference backend and on the Triton kernels under ``TRITON_INTERPRET=1`` (one
+  segment; the split, fused-tree and segmented-TMA schedules); an ``out`` of another shape or
+  dtype, or a non-contiguous one, is refused by name.
+- The choice: a group pushes only where an exchange was opened (CUDA, several ranks, a pushing
+  layer, ``SAMEBITS_TP_PUSH`` on), the rows fit a ring, and the previous push since the last NCCL
+  gather or all-reduce used the other ring; a Llama's row-parallel layers take rings 0, 1, 0, 1
+  in their forward order (o_proj, down_proj, layer by layer). Around the rendezvous the ranks
+  agree before each step, so no rank enters the rendezvous or the probe alone.
+- Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
+  plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
+  row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
+  and gathered above (the trace records which), and the pushed [N, T, H] is the gather's.
+  Negative control: an exchange that skips the copy to the peers returns other bits.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from samebits.config import EngineConfig
+from samebits.distributed import group as group_module
+from samebits.distributed import symmetric
+from samebits.distributed.group import TPGroup
+from samebits.distributed.symmetric import RINGS, PushExchange, takes_push, wanted
+from samebits.loader import load
+from samebits.models.parallel import RowParallelLinear
+from samebits.ops.backend import row_parallel_bounds
+from samebits.ops.reference import ReferenceBackend
+from tests.tiny_models import TP_LLAMA_CONFIG, write_config
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the Triton kernels run compiled here (tests/gpu)")
+REF = ReferenceBackend()
+K, H, S = 64, 24, 4  # 4 segments: two ranks own 2 each, four ranks 1 each (subtrees)
+ROWS = 8  # the fake exchange's ring rows
+
+
+def _data(rows: tuple[int, ...], k: int, n: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, k, generator=g) * torch.logspace(0, 3, k)
+    return x.to(dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+
+
+def _slot(rows: tuple[int, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a NaN-filled buffer of two slots, its second slot viewed [*rows, n]): rank 1's slot."""
+    size = n * torch.Size(rows).numel()
+    buffer = torch.full((2 * size,), float("nan"))
+    return buffer, buffer[size:].view(*rows, n)
+
+
+def _into_slot(linear_sum, x, w, kb) -> None:
+    want = linear_sum(x, w, kb)
+    buffer, out = _slot(tuple(x.shape[:-1]), w.shape[0])
+    got = linear_sum(x, w, kb, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+    assert buffer[:out.numel()].isnan().all()  # the other slot untouched
+
+
+@pytest.mark.parametrize("s", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [(1,), (5,), (2, 3)])
+def test_reference_linear_sum_writes_its_bits_into_out(s, rows):
+    x, w = _data(rows, 37 * s + 5, H, seed=s)
+    _into_slot(REF.linear_sum, x, w, row_parallel_bounds(x.shape[-1], s))
+
+
+def _triton():
+    from samebits.ops.triton.backend import TritonBackend
+    return TritonBackend()
+
+
+@interpreted
+@pytest.mark.parametrize("s,m,dtype", [(1, 5, torch.float32), (2, 1, torch.float16),
+                                       (2, 33, torch.float32), (2, 70, torch.float16)])
+def test_triton_linear_sum_writes_its_bits_into_out(s, m, dtype):
+    """One segment (the split program's one partial), the split schedule (1 row), the fused
+    tree (9-64 rows) and the segmented TMA kernel (65+ rows, 16-bit) each store into ``out``.
+    fp16 stands for 16-bit inputs (the interpreter's bf16 ``tl.dot`` is wrong)."""
+    x, w = _data((m,), 64 * s, 40, seed=m, dtype=dtype)
+    _into_slot(_triton().linear_sum, x, w, row_parallel_bounds(64 * s, s))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreted)])
+def test_linear_sum_refuses_an_out_it_cannot_fill_as_written(backend):
+    ops = REF if backend == "reference" else _triton()
+    x, w = _data((4,), K, H, seed=0)
+    kb = row_parallel_bounds(K, 2)
+    cases = {"contiguous": torch.empty(H, 4).t(), r"expected \(4, 24\)": torch.empty(4, H + 1),
+             "float32": torch.empty(4, H, dtype=torch.float64)}
+    for message, out in cases.items():
+        with pytest.raises(ValueError, match=message):
+            ops.linear_sum(x, w, kb, out=out)
+
+
+def _exchange(rank: int, world: int, width: int = H, rows: int = ROWS) -> PushExchange:
+    local = torch.zeros(RINGS, world * rows * width)
+    peers = {r: torch.zeros_like(local) for r in range(world) if r != rank}
+    return PushExchange(local, peers, lambda: None, rank, width, rows)
+
+
+def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
+    ex = _exchange(0, 2)
+    assert all(takes_push(ex, ring, None, t, H) for ring in (0, 1) for t in (1, 3, ROWS))
+    assert takes_push(ex, 0, 1, ROWS, H - 8)  # narrower rows: the ring's leading values
+    assert not takes_push(ex, 0, None, ROWS + 1, H)  # more rows than a ring holds
+    assert not takes_push(ex, 0, None, 0, H)  # an empty step gathers (nothing to push)
+    assert not takes_push(ex, 0, None, 1, H + 1)  # wider than the buffers
+    assert not takes_push(ex, 1, 1, 1, H)  # the previous push's ring, no barrier since
+    assert not takes_push(None, 0, None, 1, H)  # no exchange
+
+
+@pytest.mark.parametrize("device,world,width,on,want", [
+    ("cuda", 2, H, "1", True), ("cuda", 4, H, "1", True), ("cuda", 2, H, "0", False),
+    ("cuda", 2, H, "", False), ("cpu", 2, H, "1", False), ("cuda", 1, H, "1", False),
+    ("cuda", 2, 0, "1", False)])
+def test_an_exchange_is_wanted_only_for_pushing_cuda_ranks_with_push_on(
+        device, world, width, on, want, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", on)
+    assert wanted(device, world, width) is want
+
+
+def test_push_off_or_on_cpu_opens_nothing_and_issues_no_collective(monkeypatch):
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "1")
+    for group in (TPGroup(0, 2, "cpu"), TPGroup(0, 1, "cuda")):
+        monkeypatch.setattr(group, "min_int", lambda v: pytest.fail("a collective was issued"))
+        assert symmetric.open_exchange(group, H) is None
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "0")
+    group = TPGroup(0, 2, "cuda")
+    monkeypatch.setattr(group, "min_int", lambda v: pytest.fail("a collective was issued"))
+    assert symmetric.open_exchange(group, H) is None
+
+
+class _Handle:
+    """Stands in for torch's symmetric-memory handle of rank 0 of two: ``own`` is what it maps
+    for rank 0 (the tensor itself, or elsewhere)."""
+
+    def __init__(self, local: torch.Tensor, own_is_local: bool) -> None:
+        self.local, self.own_is_local = local, own_is_local
+
+    def get_remote_tensor(self, rank, shape, dtype):
+        return self.local if rank == 0 and self.own_is_local else torch.zeros(shape, dtype=dtype)
+
+    def barrier(self, channel: int, timeout_ms: int) -> None:
+        pass
+
+
+def _cuda_pair(monkeypatch, peer_ok: int, own_is_local: bool = True, rendezvous=None):
+    """Rank 0 of two on "cuda" (CPU tensors standing in), push on; the peer reports ``peer_ok``
+    to every agreement (``min_int``), which returns the list of this rank's reports."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "1")
+    group, agreed = TPGroup(0, 2, "cuda"), []
+    monkeypatch.setattr(symmetric, "_symmetric_empty", lambda shape, device: torch.zeros(shape))
+    monkeypatch.setattr(symm_mem, "rendezvous",
+                        rendezvous or (lambda local, name: _Handle(local, own_is_local)))
+    monkeypatch.setattr(symmetric.dist, "group",
+                        type("Groups", (), {"WORLD": type("World", (), {"group_name": "0"})}))
+    monkeypatch.setattr(group, "min_int", lambda v: agreed.append(v) or min(v, peer_ok))
+    return group, agreed
+
+
+def test_no_rendezvous_where_the_peer_could_not_allocate(monkeypatch):
+    group, agreed = _cuda_pair(monkeypatch, 0, rendezvous=lambda *a: pytest.fail("rendezvous"))
+    assert symmetric.open_exchange(group, H) is None and agreed == [1]
+
+
+def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_gather(
+        monkeypatch, caplog):
+    def fails(local, name):
+        raise RuntimeError("no peer access")
+    for kwargs in (dict(rendezvous=fails), dict(own_is_local=False)):
+        group, agreed = _cuda_pair(monkeypatch, 1, **kwargs)
+        assert symmetric.open_exchange(group, H) is None and agreed == [1, 0]
+    assert "rendezvous failed" in caplog.text
+
+
+def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(monkeypatch):
+    """The stand-in peer never writes its slot: rank 0 reports the probe failed, and the
+    agreement makes every rank raise (the peer's report is 1 here; min is 0)."""
+    group, agreed = _cuda_pair(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="probe"):
+        symmetric.open_exchange(group, H)
+    assert agreed == [1, 1, 0]
+
+
+def test_a_llamas_row_parallel_layers_take_alternating_rings_in_forward_order(tmp_path):
+    path = write_config(tmp_path, TP_LLAMA_CONFIG)
+    group = TPGroup(0, 2)
+    model = load(EngineConfig(str(path), tensor_parallel_size=2, load_format="dummy"),
+                 group).model
+    layers = [(name, m.ring) for name, m in model.named_modules()
+              if isinstance(m, RowParallelLinear)]
+    assert [name.rsplit(".", 2)[-2:] for name, _ in layers] == \
+        [["self_attn", "o_proj"], ["mlp", "down_proj"]] * TP_LLAMA_CONFIG["num_hidden_layers"]
+    assert [ring for _, ring in layers] == [0, 1] * TP_LLAMA_CONFIG["num_hidden_layers"]
+    assert group.push_width == TP_LLAMA_CONFIG["hidden_size"]
+    assert TPGroup(0, 1).push_width == 0 and load(  # one device reserves nothing
+        EngineConfig(str(path), load_format="dummy")).model.layers[0].mlp.down_proj.ring == 0
+
+
+def test_an_nccl_gather_or_all_reduce_is_a_barrier_for_the_ring_choice(monkeypatch):
+    group = TPGroup(0, 2)
+    monkeypatch.setattr(group_module, "_ALL_GATHER", lambda out, x: out.zero_())
+    monkeypatch.setattr(group_module.dist, "all_reduce", lambda x: x)
+    for collective in (lambda: group.all_gather(torch.zeros(1, 2)),
+                       lambda: group.all_reduce_sum(torch.zeros(2))):
+        group.last_ring = 1
+        collective()
+        assert group.last_ring is None
+
+
+# ---- ranks as threads ------------------------------------------------------------------------
+
+class _Threads:
+    """``world`` ranks run as threads: their exchanges share plain tensors as the symmetric
+    buffers and meet at ``meet`` for the barrier; NCCL's gather meets there too."""
+
+    def __init__(self, world: int, copy: bool = True) -> None:
+        self.world, self.meet = world, threading.Barrier(world, timeout=20)
+        self.buffers = [torch.zeros(RINGS, world * ROWS * H) for _ in range(world)]
+        self.shelf: list[torch.Tensor | None] = [None] * world
+        self.rank = threading.local()
+        self.copy = copy
+
+    def group(self, rank: int) -> TPGroup:
+        group = TPGroup(rank, self.world)
+        peers = {r: b for r, b in enumerate(self.buffers) if r != rank} if self.copy else \
+            {r: torch.zeros_like(b) for r, b in enumerate(self.buffers) if r != rank}
+        group.exchange = PushExchange(self.buffers[rank], peers, self.meet.wait, rank, H, ROWS)
+        group.trace = io.StringIO()
+        return group
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        self.shelf[self.rank.value] = x.clone()
+        self.meet.wait()
+        out.copy_(torch.cat(self.shelf))
+        self.meet.wait()
+
+    def run(self, fn) -> list:
+        def one(rank: int):
+            self.rank.value = rank
+            return fn(rank)
+        with ThreadPoolExecutor(self.world) as pool:
+            return [f.result() for f in [pool.submit(one, r) for r in range(self.world)]]
+
+
+def _layers_and_inputs(group: TPGroup, steps: list[tuple[int, ...]]):
+    """Two row-parallel layers (o_proj's and down_proj's rings) with this rank's slices of the
+    same full weights, and each step's input slice; the full ones for one device."""
+    full, layers, inputs = [], [], []
+    for i in range(2):
+        layer = RowParallelLinear(K, H, S, group)
+        _, w = _data((1,), K, H, seed=100 + i)
+        lo, hi = layer.weight.spec.span(0)
+        layer.weight.data = w[:, lo:hi].contiguous()
+        layers.append(layer)
+        full.append(w)
+    for j, rows in enumerate(steps):
+        x, _ = _data(rows, K, H, seed=j)
+        inputs.append((x, x[..., lo:hi].contiguous()))
+    return layers, full, inputs
+
+
+def _forward(threads: _Threads, rank: int, steps: list[tuple[int, ...]]):
+    group = threads.group(rank)
+    layers, _, inputs = _layers_and_inputs(group, steps)
+    outs = [layer.gathered(REF, mine) for _, mine in inputs for layer in layers]
+    return outs, [json.loads(line)["op"] for line in group.trace.getvalue().splitlines()]
+
+
+STEPS = [(1,), (5,), (2, 3), (ROWS,), (ROWS + 1,), (3,)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_pushing_get_one_devices_bits_and_gather_above_the_rings_rows(world, monkeypatch):
+    threads = _Threads(world)
+    monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
+    results = threads.run(lambda rank: _forward(threads, rank, STEPS))
+    _, full, inputs = _layers_and_inputs(TPGroup(0, world), STEPS)
+    kb = row_parallel_bounds(K, S)
+    want = [REF.linear(x, w, k_bounds=kb) for x, _ in inputs for w in full]
+    for outs, ops in results:
+        assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+        assert ops == ["push"] * 8 + ["all_gather"] * 2 + ["push"] * 2
+
+
+def test_the_pushed_stack_is_the_gathers(monkeypatch):
+    threads = _Threads(2)
+    monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
+
+    def both(rank: int):
+        group = threads.group(rank)
+        mine = _data((1, 5), H, H, seed=rank)[0]  # [1, T, H]
+        group.push_slot(0, 5, H).copy_(mine.reshape(-1))
+        pushed = group.push(0, 5, H).clone()
+        return pushed, group.all_gather(mine)
+    for pushed, gathered in threads.run(both):
+        assert pushed.shape == (2, 5, H) and torch.equal(pushed, gathered)
+
+
+def test_negative_control_an_exchange_that_skips_the_copy_returns_other_bits(monkeypatch):
+    threads = _Threads(2, copy=False)  # each rank writes into tensors no peer reads
+    monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
+    results = threads.run(lambda rank: _forward(threads, rank, [(3,)]))
+    _, full, inputs = _layers_and_inputs(TPGroup(0, 2), [(3,)])
+    want = REF.linear(inputs[0][0], full[0], k_bounds=row_parallel_bounds(K, S))
+    assert not any(torch.equal(outs[0], want) for outs, _ in results)
