@@ -12,7 +12,9 @@ to warm up, then timed), then the seconds its shutdown took (bounded: the ranks 
 told, rank 0 releases its side alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
 1.3x at TP 2.
 The bits agree across sizes where the backend runs the segmented K on one device
-(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared.
+(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push``: every size
+runs with ``SAMEBITS_TP_PUSH=1`` (row-parallel sums pushed through symmetric memory,
+``samebits.distributed.symmetric``: the same bits, so the same ``tokens_sha`` as without).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
               max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False)
     runner = llm.engine.runner
-    print(json.dumps({"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
+    print(json.dumps({"tp": tp, "push": os.environ.get("SAMEBITS_TP_PUSH", ""),
+                      "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
                       "graphs": 0 if runner.graphs is None else len(runner.graphs.graphs),
@@ -85,8 +88,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each size may take (start, workloads, shutdown) before it is "
                         "stopped and reported as an error")
+    p.add_argument("--push", action="store_true",
+                   help="SAMEBITS_TP_PUSH=1 for every size's process and its ranks")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
+    if args.push:  # the child processes and their spawned ranks inherit it
+        os.environ["SAMEBITS_TP_PUSH"] = "1"
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
         run_size(args, args.one)
         sys.stderr.flush()

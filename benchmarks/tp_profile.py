@@ -11,6 +11,10 @@ host part running when each began (``idle_by_host_s_count``: the forward's launc
 replay, sampling, ...; ``outside`` between parts, or everything without the flag).
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
+
+``--push``: every rank runs with ``SAMEBITS_TP_PUSH=1`` (the row-parallel sums pushed through
+symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and peer copies count as
+communication too (a peer copy the profiler names a device-to-device copy does not).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from samebits.tools.timeline import idle_report
 
 WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1),
              "batch": (64, 1024, 256)}  # tensor_parallel.py's batch workload
+# device work that counts as communication: NCCL's kernels; the push's barrier and peer copies
+COMM = ("nccl", "barrier_kernel", "memcpy ptop")
 
 
 def _sync() -> None:
@@ -56,7 +62,7 @@ def _summary(prof, wall: float, top: int) -> dict:
         entry[0] += 1
         entry[1] += e.time_range.elapsed_us()
     total = sum(v[1] for v in by_name.values()) / 1e6
-    comm = sum(v[1] for k, v in by_name.items() if "nccl" in k.lower()) / 1e6
+    comm = sum(v[1] for k, v in by_name.items() if any(c in k.lower() for c in COMM)) / 1e6
     nccl = sorted(e.time_range.elapsed_us() for e in events if "nccl" in e.name.lower())
     pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
            for q in (0, 10, 50, 90, 99)} if nccl else {}
@@ -161,7 +167,11 @@ def main() -> None:
                         "trace (<workload>_tp<N>.json.gz)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
+    p.add_argument("--push", action="store_true",
+                   help="SAMEBITS_TP_PUSH=1 on every rank (inherited by the spawned ranks)")
     args = p.parse_args()
+    if args.push:
+        os.environ["SAMEBITS_TP_PUSH"] = "1"
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
@@ -179,8 +189,8 @@ def main() -> None:
             llm.generate(prompts, params, use_tqdm=False)
             _sync()
             wall = time.perf_counter() - start
-        print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
-                          "generated": gen} | _summary(prof, wall, args.top) | _idle(prof)),
+        print(json.dumps({"tp": args.tp, "push": args.push, "workload": name, "requests": n,
+                          "prompt": prompt, "generated": gen} | _summary(prof, wall, args.top) | _idle(prof)),
               flush=True)
         if args.trace:
             _write_trace(prof, os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))
