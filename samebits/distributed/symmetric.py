@@ -32,7 +32,11 @@ Every rank takes the same path for the same layer and step: ``takes_push`` reads
 width (the same on every rank), the layer's ring (the same model on every rank), the ring of the
 previous push (the same sequence of collectives on every rank) and whether the exchange exists
 (agreed on by every rank at connect, ``open_exchange``). The barrier and the copies are device
-work on the current stream with no host value of the batch: a CUDA graph captures them.
+work on the current stream with no host value of the batch: a CUDA graph captures them. The ring
+of each push is chosen on the host when the graph is captured, and a replay does not move
+``last_ring``: this is safe because an engine forward begins with the vocab-parallel embedding's
+NCCL gather and a replayed step's hidden states go next to the LM head's NCCL gather (each a
+barrier for the rings), and the graphs of one step replay in the order they were captured.
 """
 
 from __future__ import annotations
@@ -146,12 +150,17 @@ def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
 
 
 def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
-    """An fp32 tensor of torch's symmetric memory on ``device``; None (logged) where torch cannot
-    allocate one. NVLink multicast stays off (``env.keep_torch_multicast_off``)."""
+    """An fp32 tensor of torch's symmetric memory on ``device``, an allocation of its own; None
+    (logged) where torch cannot allocate one. NVLink multicast stays off
+    (``env.keep_torch_multicast_off``). Not from torch's symmetric-memory pool (where
+    ``symm_mem.empty`` allocates): torch caches a rendezvous per allocation and group name, and a
+    pooled allocation outlives its tensor, so a later group of the same name (a second engine in
+    this process) would be handed the first group's mappings; this one is released with its
+    tensor."""
     try:
-        from torch.distributed import _symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
         env.keep_torch_multicast_off()
-        return symm_mem.empty(*shape, dtype=torch.float32, device=device)
+        return _SymmetricMemory.empty_strided_p2p(shape, (shape[1], 1), torch.float32, device)
     except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
         log.warning("tensor parallel: no symmetric memory (%s: %s); the row-parallel sums take "
                     "NCCL's gather", type(e).__name__, e)
