@@ -67,18 +67,22 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torc
 
 
 def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """[..., N] in the compute dtype, uncast: the segments' chains tree-summed in the kernel
     (``linear``'s segmented sum; the bits of ``tree_sum(linear_partials(...))``); copied into
-    ``out`` when given (``check_sum_out``)."""
+    ``out`` and ``peer_out`` when given (``check_sum_out``)."""
     *lead, k = x.shape
     n, cdt = w.shape[0], _compute_dtype(x.dtype)
     check_k_bounds(k_bounds, k)
-    if out is not None:
-        check_sum_out(out, x, n, cdt)
+    for name, t in (("out", out), ("peer_out", peer_out)):
+        if t is not None:
+            check_sum_out(t, x, n, cdt, name)
     x2 = x.reshape(-1, k).to(cdt).contiguous()
     total = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n,
                                [lo for lo, _ in k_bounds] + [k]).reshape(*lead, n)
+    if peer_out is not None:
+        peer_out.copy_(total)
     return total if out is None else out.copy_(total)
 
 

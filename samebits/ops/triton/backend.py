@@ -61,10 +61,12 @@ class TritonBackend(InvariantEncoderOps):
         return linear.partials(x, w, k_bounds)
 
     def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """The segments tree-summed in fp32 (linear.py's schedules), written into ``out`` when
-        given (the kernels store there directly: no copy)."""
-        return linear.linear_sum(x, w, k_bounds, out)
+                   out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The segments tree-summed in fp32 (linear.py's schedules), written into ``out`` and
+        ``peer_out`` when given (the kernel that stores the sum stores each tile into both:
+        no copy)."""
+        return linear.linear_sum(x, w, k_bounds, out, peer_out)
 
     def sum_tree(self, partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """One tree sum kernel launch (power-of-two counts), else torch."""
