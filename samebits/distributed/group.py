@@ -13,8 +13,9 @@ order is the library's) serves only the standard mode. Control messages (``broad
 ``MessageQueue`` instead -- a write and a poll, no round trip --, and only a message too large for
 one of its slots through gloo.
 
-``push_slot`` / ``push``: with ``SAMEBITS_TP_PUSH=1`` on CUDA, a row-parallel layer's fp32 sums
-reach every rank through symmetric memory -- written into each peer's buffer, then a device-side
+``push_slot`` / ``push``: with ``SAMEBITS_TP_PUSH=1`` or 2 on CUDA, a row-parallel layer's fp32
+sums reach every rank through symmetric memory -- written into each peer's buffer (copied, or at
+2 with two ranks stored there by the GEMM itself: ``push_peer_slot``), then a device-side
 barrier -- instead of ``all_gather``, the same values in the same [N, T, H] slots
 (``samebits.distributed.symmetric``: the buffers, their ring of two and why every rank takes the
 same path). ``connect`` opens that exchange after its check, for the widest row a layer
@@ -115,6 +116,13 @@ class TPGroup:
         if not takes_push(self.exchange, ring, self.last_ring, rows, width):
             return None
         return self.exchange.slot(ring, rows, width)
+
+    def push_peer_slot(self, ring: int, rows: int, width: int) -> torch.Tensor | None:
+        """After ``push_slot`` gave a slot: the peer's flat slot for the same sum (mapped here)
+        where the exchange is fused (``SAMEBITS_TP_PUSH=2``, two ranks): the kernel that writes
+        the slot writes it too (``linear_sum``'s ``peer_out``) and ``push`` copies nothing; None
+        where ``push`` copies."""
+        return self.exchange.peer_slot(ring, rows, width)
 
     def push(self, ring: int, rows: int, width: int) -> torch.Tensor:
         """[N, rows, width] fp32: every rank's slot of ring ``ring`` (written since

@@ -2,8 +2,8 @@
 
 Under tensor parallel a row-parallel layer (o_proj, down_proj) ends with every rank's fp32 [T, H]
 sum of its own K segments stacked in rank order, [N, T, H], which the next norm adds in the rank
-tree (``samebits.models.parallel.RowParallelLinear.gathered``). With ``SAMEBITS_TP_PUSH=1`` on
-CUDA a ``PushExchange`` builds that stack instead of NCCL's gather, with the same fp32 values in
+tree (``samebits.models.parallel.RowParallelLinear.gathered``). With ``SAMEBITS_TP_PUSH=1`` (or 2)
+on CUDA a ``PushExchange`` builds that stack instead of NCCL's gather, with the same fp32 values in
 the same slots -- so the same bits:
 
 - Buffers: one symmetric-memory fp32 tensor per rank, [RINGS, N * PUSH_MAX_ROWS * width],
@@ -18,10 +18,19 @@ the same slots -- so the same bits:
   signals every peer and waits for every peer's signal); then the norm reads ring i as [N, T, H].
   Each peer issued its copy into this rank's ring i before its own barrier, so once this rank's
   barrier returns every peer's slot is written.
-- Why a ring of two: a rank's copy into ring i for exchange e + 2 must not land while a peer
-  still reads ring i for exchange e. The rank issues that copy after its barrier of exchange
-  e + 1, which returns only once every peer has reached its own barrier e + 1 -- that is, every
-  peer's stream has run its norm of exchange e (GEMM -> push -> barrier -> norm reads, in order).
+- ``SAMEBITS_TP_PUSH=2`` with two ranks (``PushExchange.fused``): no copy. The kernel that
+  stores the sum (``linear_sum(..., out=slot, peer_out=peer_slot)``; ``peer_slot`` is the same
+  slot of the peer's ring i, mapped here) stores each output tile into both, the same registers
+  twice, so the transfer over NVLink runs while the GEMM's later tiles are computed; then the
+  barrier. The kernel completes before the barrier kernel starts (stream order), whose signal is
+  a release (as after the copy): the peer reads the stores after its own barrier returns, as it
+  reads the copy's. More ranks, or level 1, copy.
+- Why a ring of two: a rank's copy (or, fused, its GEMM's peer stores) into ring i for exchange
+  e + 2 must not land while a peer still reads ring i for exchange e. The rank issues that copy
+  or GEMM after its barrier of exchange e + 1 (the GEMM's programs store nothing before the
+  previous kernel in the stream has finished, programmatic launch included), which returns only
+  once every peer has reached its own barrier e + 1 -- that is, every peer's stream has run its
+  norm of exchange e (GEMM -> push -> barrier -> norm reads, in order).
   With one buffer each exchange would need a second barrier after the reads. Layers take rings
   0, 1, 0, 1 in the order they are built (``TPGroup.reserve_push``), the order a forward runs them
   (o_proj then down_proj, layer by layer), and ``takes_push`` refuses, at run time, a push into
@@ -70,19 +79,25 @@ class PushExchange:
     """A rank's symmetric buffers and its peers' (module docstring). ``local``: this rank's
     [RINGS, N * max_rows * width] fp32 tensor; ``peers``: every other rank's, mapped here, by
     rank; ``barrier``: a device-side barrier of every rank on the current stream; ``handle``:
-    whatever keeps the mappings alive (torch's symmetric-memory handle)."""
+    whatever keeps the mappings alive (torch's symmetric-memory handle); ``fused``: the kernel
+    that writes this rank's slot also writes it into the one peer's (``peer_slot``), and
+    ``exchange`` copies nothing."""
 
     def __init__(self, local: torch.Tensor, peers: dict[int, torch.Tensor],
                  barrier: Callable[[], None], rank: int, width: int,
-                 max_rows: int = PUSH_MAX_ROWS, handle: object = None) -> None:
+                 max_rows: int = PUSH_MAX_ROWS, handle: object = None,
+                 fused: bool = False) -> None:
         world = len(peers) + 1
         if local.shape != (RINGS, world * max_rows * width) or local.dtype != torch.float32:
             raise ValueError(f"PushExchange: local buffer {tuple(local.shape)} {local.dtype}, "
                              f"expected ({RINGS}, {world * max_rows * width}) float32")
         if sorted(peers) != [r for r in range(world) if r != rank]:
             raise ValueError(f"PushExchange: rank {rank}'s peers are {sorted(peers)}")
+        if fused and world != 2:
+            raise ValueError(f"PushExchange: a fused exchange has one peer, not {world - 1}")
         self.local, self.peers, self.barrier, self.handle = local, peers, barrier, handle
         self.rank, self.world_size, self.width, self.max_rows = rank, world, width, max_rows
+        self.fused = fused
 
     def fits(self, rows: int, width: int) -> bool:
         """Whether an exchange of ``rows`` x ``width`` fp32 values fits a ring."""
@@ -93,12 +108,23 @@ class PushExchange:
         n = rows * width
         return self.local[ring, self.rank * n:(self.rank + 1) * n]
 
+    def peer_slot(self, ring: int, rows: int, width: int) -> torch.Tensor | None:
+        """Where ``fused``: the peer's [rows * width] slot of its ring ``ring`` for this rank's
+        sum (``slot``'s offset in the peer's buffer, mapped here), for the kernel that writes
+        ``slot`` to write too; else None."""
+        if not self.fused:
+            return None
+        n = rows * width
+        (buffer,) = self.peers.values()
+        return buffer[ring, self.rank * n:(self.rank + 1) * n]
+
     def exchange(self, ring: int, rows: int, width: int) -> torch.Tensor:
-        """[N, rows, width]: this rank's slot (written) copied into every peer's same slot, then
-        the barrier; every rank's sum in rank order, in this rank's ring ``ring``."""
+        """[N, rows, width]: this rank's slot (written; and where ``fused`` the peer's slot
+        too) copied into every peer's same slot unless ``fused``, then the barrier; every rank's
+        sum in rank order, in this rank's ring ``ring``."""
         n = rows * width
         mine = self.slot(ring, rows, width)
-        for buffer in self.peers.values():
+        for buffer in () if self.fused else self.peers.values():
             buffer[ring, self.rank * n:(self.rank + 1) * n].copy_(mine)
         self.barrier()
         return self.local[ring, :self.world_size * n].view(self.world_size, rows, width)
@@ -111,7 +137,9 @@ class PushExchange:
         want = ranks.view(-1, 1, 1).expand(self.world_size, 1, self.width)
         ok = True
         for ring in range(RINGS):
-            self.slot(ring, 1, self.width).fill_(self.rank + 1.0)
+            for slot in (self.slot(ring, 1, self.width), self.peer_slot(ring, 1, self.width)):
+                if slot is not None:  # fused: written here, as the kernel writes it
+                    slot.fill_(self.rank + 1.0)
             ok = torch.equal(self.exchange(ring, 1, self.width), want) and ok
         return ok
 
@@ -124,10 +152,17 @@ def takes_push(exchange: PushExchange | None, ring: int, last_ring: int | None, 
     return exchange is not None and exchange.fits(rows, width) and ring != last_ring
 
 
+def fuses(world_size: int) -> bool:
+    """Whether an exchange is ``fused`` (the GEMM writes the peer's slot too):
+    ``SAMEBITS_TP_PUSH=2`` and two ranks. A rank's choice is its own: a fused rank stores into
+    its peer as a copying one copies, so ranks that differ still deliver every slot."""
+    return env.tp_push() >= 2 and world_size == 2
+
+
 def wanted(device_type: str, world_size: int, width: int) -> bool:
     """Whether a group opens an exchange: CUDA ranks, several of them, a row-parallel layer that
     pushes (``width`` > 0), and ``SAMEBITS_TP_PUSH`` on."""
-    return device_type == "cuda" and world_size > 1 and width > 0 and env.tp_push()
+    return device_type == "cuda" and world_size > 1 and width > 0 and env.tp_push() > 0
 
 
 def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
@@ -183,7 +218,7 @@ def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int) -> PushE
     barrier = functools.partial(handle.barrier, channel=BARRIER_CHANNEL,
                                 timeout_ms=BARRIER_TIMEOUT_MS)
     peers = {r: t for r, t in mapped.items() if r != rank}
-    return PushExchange(local, peers, barrier, rank, width, handle=handle)
+    return PushExchange(local, peers, barrier, rank, width, handle=handle, fused=fuses(world))
 
 
 def _mapped(handle, rank: int, like: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   ``PendingRankSum``, where the backend sums them there (``sums_in_norm``) and there is no bias.
   The ranks' sums travel by NCCL's gather, or -- ``SAMEBITS_TP_PUSH=1`` on CUDA -- each rank's
   GEMM writes its sum straight into its slot of a symmetric-memory buffer that is then copied
-  to its peers' (``TPGroup.push_slot`` / ``push``): the same values in the same slots.
+  to its peers' (``TPGroup.push_slot`` / ``push``), or -- 2, two ranks -- into its own slot and
+  the peer's at once (``push_peer_slot``): the same values in the same slots.
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
 
@@ -194,14 +195,17 @@ class RowParallelLinear(nn.Module):
 
     def rank_sums(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
         """[N, ..., H] fp32: every rank's ``linear_sum`` of its own segments, in rank order --
-        written by the GEMM into this rank's slot and pushed where the group takes the push
-        (``push_slot``: the same choice on every rank), else gathered by NCCL."""
+        written by the GEMM into this rank's slot (and, fused, the peer's) and pushed where the
+        group takes the push (``push_slot``: the same choice on every rank), else gathered by
+        NCCL."""
         lead, h = x.shape[:-1], self.weight.shape[0]
         slot = self.group.push_slot(self.ring, lead.numel(), h)
         if slot is None:
             return self.group.all_gather(ops.linear_sum(x, self.weight, self.k_bounds)
                                          .unsqueeze(0))
-        ops.linear_sum(x, self.weight, self.k_bounds, out=slot.view(*lead, h))
+        peer = self.group.push_peer_slot(self.ring, lead.numel(), h)
+        ops.linear_sum(x, self.weight, self.k_bounds, out=slot.view(*lead, h),
+                       peer_out=None if peer is None else peer.view(*lead, h))
         return self.group.push(self.ring, lead.numel(), h).view(-1, *lead, h)
 
 

@@ -5,18 +5,23 @@ What the tests prove, bit for bit where bits are compared:
 - ``linear_sum(x, w, k_bounds, out=slot)`` writes into ``slot`` (a view at an offset of a larger
   buffer, as a rank's slot is) exactly the bits it returns without ``out``, and nothing outside it,
   on the CPU reference backend and on the Triton kernels under ``TRITON_INTERPRET=1`` (one
-  segment; the split, fused-tree and segmented-TMA schedules); an ``out`` of another shape or
-  dtype, or a non-contiguous one, is refused by name.
+  segment; the split schedule with the sum kernel and with torch's tree, the fused tree and the
+  segmented-TMA schedule); with ``peer_out`` too (a slot of another buffer, standing in for the
+  peer's) both receive those bits and nothing else in either buffer changes. An ``out`` or
+  ``peer_out`` of another shape or dtype, or a non-contiguous one, is refused by name.
 - The choice: a group pushes only where an exchange was opened (CUDA, several ranks, a pushing
-  layer, ``SAMEBITS_TP_PUSH`` on), the rows fit a ring, and the previous push since the last NCCL
+  layer, ``SAMEBITS_TP_PUSH`` 1 or 2), fused (the GEMM stores into the peer's slot; no copy)
+  only at 2 with two ranks, the rows fit a ring, and the previous push since the last NCCL
   gather or all-reduce used the other ring; a Llama's row-parallel layers take rings 0, 1, 0, 1
   in their forward order (o_proj, down_proj, layer by layer). Around the rendezvous the ranks
   agree before each step, so no rank enters the rendezvous or the probe alone.
 - Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
   plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
   row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
-  and gathered above (the trace records which), and the pushed [N, T, H] is the gather's.
-  Negative control: an exchange that skips the copy to the peers returns other bits.
+  and gathered above (the trace records which), and the pushed [N, T, H] is the gather's -- with
+  copies, and for two ranks fused (each layer's ``linear_sum`` writes the peer's slot itself).
+  Negative control: an exchange whose writes never reach the peers (no copy; fused, a peer slot
+  no peer reads) returns other bits.
 """
 
 from __future__ import annotations
@@ -54,24 +59,32 @@ def _data(rows: tuple[int, ...], k: int, n: int, seed: int, dtype=torch.float32)
     return x.to(dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
 
 
-def _slot(rows: tuple[int, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a NaN-filled buffer of two slots, its second slot viewed [*rows, n]): rank 1's slot."""
+def _slot(rows: tuple[int, ...], n: int, index: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a NaN-filled buffer of two slots, its slot ``index`` viewed [*rows, n]): by default
+    rank 1's slot."""
     size = n * torch.Size(rows).numel()
     buffer = torch.full((2 * size,), float("nan"))
-    return buffer, buffer[size:].view(*rows, n)
+    return buffer, buffer[index * size:(index + 1) * size].view(*rows, n)
 
 
 def _into_slot(linear_sum, x, w, kb) -> None:
+    """``out`` alone, then ``out`` and ``peer_out`` (rank 0's slot of another buffer, as rank 1
+    writes it into its peer's ring): each receives ``linear_sum``'s bits, nothing else changes."""
     want = linear_sum(x, w, kb)
     buffer, out = _slot(tuple(x.shape[:-1]), w.shape[0])
     got = linear_sum(x, w, kb, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
     assert buffer[:out.numel()].isnan().all()  # the other slot untouched
+    buffer, out = _slot(tuple(x.shape[:-1]), w.shape[0])
+    peer_buffer, peer = _slot(tuple(x.shape[:-1]), w.shape[0], index=0)
+    got = linear_sum(x, w, kb, out=out, peer_out=peer)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want) and torch.equal(peer, want)
+    assert buffer[:out.numel()].isnan().all() and peer_buffer[peer.numel():].isnan().all()
 
 
 @pytest.mark.parametrize("s", [1, 2, 3, 4])
 @pytest.mark.parametrize("rows", [(1,), (5,), (2, 3)])
-def test_reference_linear_sum_writes_its_bits_into_out(s, rows):
+def test_reference_linear_sum_writes_its_bits_into_out_and_peer_out(s, rows):
     x, w = _data(rows, 37 * s + 5, H, seed=s)
     _into_slot(REF.linear_sum, x, w, row_parallel_bounds(x.shape[-1], s))
 
@@ -82,14 +95,23 @@ def _triton():
 
 
 @interpreted
-@pytest.mark.parametrize("s,m,dtype", [(1, 5, torch.float32), (2, 1, torch.float16),
-                                       (2, 33, torch.float32), (2, 70, torch.float16)])
-def test_triton_linear_sum_writes_its_bits_into_out(s, m, dtype):
-    """One segment (the split program's one partial), the split schedule (1 row), the fused
-    tree (9-64 rows) and the segmented TMA kernel (65+ rows, 16-bit) each store into ``out``.
-    fp16 stands for 16-bit inputs (the interpreter's bf16 ``tl.dot`` is wrong)."""
+@pytest.mark.parametrize("s,m,dtype,schedule", [
+    (1, 5, torch.float32, "split"), (2, 1, torch.float16, "split"),
+    (3, 1, torch.float32, "split"), (2, 33, torch.float32, "fused tree"),
+    (2, 70, torch.float16, "segmented tma"), (3, 70, torch.float16, "segmented tma")])
+def test_triton_linear_sum_writes_its_bits_into_out_and_peer_out(s, m, dtype, schedule):
+    """One segment (the split program's one partial, stored by ``_linear_kernel``), the split
+    schedule (1 row; summed by ``_sum_partials_kernel``, or for 3 segments by torch's tree), the
+    fused tree (9-64 rows) and the segmented TMA kernel (65+ rows, 16-bit; 2 and 3 segments)
+    each store into ``out`` and ``peer_out``. fp16 stands for 16-bit inputs (the interpreter's
+    bf16 ``tl.dot`` is wrong)."""
+    from samebits.ops.triton import linear as L
     x, w = _data((m,), 64 * s, 40, seed=m, dtype=dtype)
-    _into_slot(_triton().linear_sum, x, w, row_parallel_bounds(64 * s, s))
+    kb = row_parallel_bounds(64 * s, s)
+    layout = L.SegmentLayout.from_bounds(kb, 64 * s)
+    cfg = L.segmented_config(m, 40, 64 * s, dtype, layout)
+    assert L.plan_of(x, w, cfg, layout).schedule == schedule or s == 1
+    _into_slot(_triton().linear_sum, x, w, kb)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreted)])
@@ -99,15 +121,44 @@ def test_linear_sum_refuses_an_out_it_cannot_fill_as_written(backend):
     kb = row_parallel_bounds(K, 2)
     cases = {"contiguous": torch.empty(H, 4).t(), r"expected \(4, 24\)": torch.empty(4, H + 1),
              "float32": torch.empty(4, H, dtype=torch.float64)}
-    for message, out in cases.items():
-        with pytest.raises(ValueError, match=message):
-            ops.linear_sum(x, w, kb, out=out)
+    for message, bad in cases.items():
+        with pytest.raises(ValueError, match=f"out .*{message}"):
+            ops.linear_sum(x, w, kb, out=bad)
+        with pytest.raises(ValueError, match=f"peer_out .*{message}"):
+            ops.linear_sum(x, w, kb, out=torch.empty(4, H), peer_out=bad)
 
 
-def _exchange(rank: int, world: int, width: int = H, rows: int = ROWS) -> PushExchange:
+def _exchange(rank: int, world: int, width: int = H, rows: int = ROWS, fused: bool = False
+              ) -> PushExchange:
     local = torch.zeros(RINGS, world * rows * width)
     peers = {r: torch.zeros_like(local) for r in range(world) if r != rank}
-    return PushExchange(local, peers, lambda: None, rank, width, rows)
+    return PushExchange(local, peers, lambda: None, rank, width, rows, fused=fused)
+
+
+def test_a_fused_exchange_offers_the_peers_slot_and_copies_nothing():
+    """Fused: ``peer_slot`` is this rank's slot's place in the peer's ring (a view of the peer's
+    buffer), and ``exchange`` leaves the peer's buffer as the GEMM left it; unfused it offers
+    none and copies. A fused exchange has exactly one peer."""
+    for fused in (True, False):
+        ex = _exchange(1, 2, fused=fused)
+        ex.slot(1, 3, H).fill_(7.0)
+        peer = ex.peers[0]
+        if fused:
+            got = ex.peer_slot(1, 3, H)
+            assert got.data_ptr() == peer[1, 3 * H:].data_ptr() and got.numel() == 3 * H
+        else:
+            assert ex.peer_slot(1, 3, H) is None
+        ex.exchange(1, 3, H)
+        assert torch.equal(peer[1, 3 * H:6 * H], torch.full((3 * H,), 0.0 if fused else 7.0))
+    with pytest.raises(ValueError, match="one peer"):
+        _exchange(0, 4, fused=True)
+
+
+@pytest.mark.parametrize("level,world,want", [("2", 2, True), ("2", 4, False), ("1", 2, False),
+                                              ("0", 2, False), ("", 2, False)])
+def test_only_push_level_2_with_two_ranks_fuses(level, world, want, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
+    assert symmetric.fuses(world) is want
 
 
 def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
@@ -122,7 +173,8 @@ def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
 
 
 @pytest.mark.parametrize("device,world,width,on,want", [
-    ("cuda", 2, H, "1", True), ("cuda", 4, H, "1", True), ("cuda", 2, H, "0", False),
+    ("cuda", 2, H, "1", True), ("cuda", 4, H, "1", True), ("cuda", 2, H, "2", True),
+    ("cuda", 4, H, "2", True), ("cuda", 2, H, "0", False),
     ("cuda", 2, H, "", False), ("cpu", 2, H, "1", False), ("cuda", 1, H, "1", False),
     ("cuda", 2, 0, "1", False)])
 def test_an_exchange_is_wanted_only_for_pushing_cuda_ranks_with_push_on(
@@ -186,10 +238,21 @@ def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_
     assert "rendezvous failed" in caplog.text
 
 
-def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(monkeypatch):
+def test_the_rendezvous_fuses_at_push_level_2(monkeypatch):
+    for level, fused in (("1", False), ("2", True)):
+        _cuda_pair(monkeypatch, 1)
+        monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
+        local = torch.zeros(RINGS, 2 * symmetric.PUSH_MAX_ROWS * H)
+        exchange = symmetric._rendezvous(local, 0, 2, H)
+        assert exchange.fused is fused
+
+
+@pytest.mark.parametrize("level", ["1", "2"])
+def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(level, monkeypatch):
     """The stand-in peer never writes its slot: rank 0 reports the probe failed, and the
     agreement makes every rank raise (the peer's report is 1 here; min is 0)."""
     group, agreed = _cuda_pair(monkeypatch, 1)
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
     with pytest.raises(RuntimeError, match="probe"):
         symmetric.open_exchange(group, H)
     assert agreed == [1, 1, 0]
@@ -227,18 +290,21 @@ class _Threads:
     """``world`` ranks run as threads: their exchanges share plain tensors as the symmetric
     buffers and meet at ``meet`` for the barrier; NCCL's gather meets there too."""
 
-    def __init__(self, world: int, copy: bool = True) -> None:
+    def __init__(self, world: int, copy: bool = True, fused: bool = False) -> None:
         self.world, self.meet = world, threading.Barrier(world, timeout=20)
         self.buffers = [torch.zeros(RINGS, world * ROWS * H) for _ in range(world)]
         self.shelf: list[torch.Tensor | None] = [None] * world
         self.rank = threading.local()
-        self.copy = copy
+        self.copy, self.fused = copy, fused
 
     def group(self, rank: int) -> TPGroup:
+        """Rank ``rank``'s group; with ``copy`` False its peers' buffers are tensors no peer
+        reads (its copies, or fused its GEMM's peer stores, are lost)."""
         group = TPGroup(rank, self.world)
         peers = {r: b for r, b in enumerate(self.buffers) if r != rank} if self.copy else \
             {r: torch.zeros_like(b) for r, b in enumerate(self.buffers) if r != rank}
-        group.exchange = PushExchange(self.buffers[rank], peers, self.meet.wait, rank, H, ROWS)
+        group.exchange = PushExchange(self.buffers[rank], peers, self.meet.wait, rank, H, ROWS,
+                                      fused=self.fused)
         group.trace = io.StringIO()
         return group
 
@@ -283,9 +349,10 @@ def _forward(threads: _Threads, rank: int, steps: list[tuple[int, ...]]):
 STEPS = [(1,), (5,), (2, 3), (ROWS,), (ROWS + 1,), (3,)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_pushing_get_one_devices_bits_and_gather_above_the_rings_rows(world, monkeypatch):
-    threads = _Threads(world)
+@pytest.mark.parametrize("world,fused", [(2, False), (4, False), (2, True)])
+def test_ranks_pushing_get_one_devices_bits_and_gather_above_the_rings_rows(world, fused,
+                                                                             monkeypatch):
+    threads = _Threads(world, fused=fused)
     monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
     results = threads.run(lambda rank: _forward(threads, rank, STEPS))
     _, full, inputs = _layers_and_inputs(TPGroup(0, world), STEPS)
@@ -296,22 +363,29 @@ def test_ranks_pushing_get_one_devices_bits_and_gather_above_the_rings_rows(worl
         assert ops == ["push"] * 8 + ["all_gather"] * 2 + ["push"] * 2
 
 
-def test_the_pushed_stack_is_the_gathers(monkeypatch):
-    threads = _Threads(2)
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_pushed_stack_is_the_gathers(fused, monkeypatch):
+    threads = _Threads(2, fused=fused)
     monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
 
     def both(rank: int):
         group = threads.group(rank)
         mine = _data((1, 5), H, H, seed=rank)[0]  # [1, T, H]
         group.push_slot(0, 5, H).copy_(mine.reshape(-1))
+        if fused:  # as the GEMM stores it
+            group.push_peer_slot(0, 5, H).copy_(mine.reshape(-1))
+        else:
+            assert group.push_peer_slot(0, 5, H) is None
         pushed = group.push(0, 5, H).clone()
         return pushed, group.all_gather(mine)
     for pushed, gathered in threads.run(both):
         assert pushed.shape == (2, 5, H) and torch.equal(pushed, gathered)
 
 
-def test_negative_control_an_exchange_that_skips_the_copy_returns_other_bits(monkeypatch):
-    threads = _Threads(2, copy=False)  # each rank writes into tensors no peer reads
+@pytest.mark.parametrize("fused", [False, True])
+def test_negative_control_writes_that_never_reach_the_peer_return_other_bits(fused,
+                                                                            monkeypatch):
+    threads = _Threads(2, copy=False, fused=fused)  # each rank writes into tensors no peer reads
     monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
     results = threads.run(lambda rank: _forward(threads, rank, [(3,)]))
     _, full, inputs = _layers_and_inputs(TPGroup(0, 2), [(3,)])
