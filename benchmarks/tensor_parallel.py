@@ -12,9 +12,10 @@ to warm up, then timed), then the seconds its shutdown took (bounded: the ranks 
 told, rank 0 releases its side alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
 1.3x at TP 2.
 The bits agree across sizes where the backend runs the segmented K on one device
-(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push``: every size
-runs with ``SAMEBITS_TP_PUSH=1`` (row-parallel sums pushed through symmetric memory,
-``samebits.distributed.symmetric``: the same bits, so the same ``tokens_sha`` as without).
+(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push [LEVEL]``: every
+size runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; row-parallel sums pushed through symmetric
+memory, ``samebits.distributed.symmetric``; 2: stored into the peer by the GEMM itself, at TP 2:
+the same bits, so the same ``tokens_sha`` as without).
 """
 
 from __future__ import annotations
@@ -88,12 +89,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each size may take (start, workloads, shutdown) before it is "
                         "stopped and reported as an error")
-    p.add_argument("--push", action="store_true",
-                   help="SAMEBITS_TP_PUSH=1 for every size's process and its ranks")
+    p.add_argument("--push", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+                   help="SAMEBITS_TP_PUSH for every size's process and its ranks (--push: 1)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
     if args.push:  # the child processes and their spawned ranks inherit it
-        os.environ["SAMEBITS_TP_PUSH"] = "1"
+        os.environ["SAMEBITS_TP_PUSH"] = str(args.push)
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
         run_size(args, args.one)
         sys.stderr.flush()

@@ -12,9 +12,10 @@ replay, sampling, ...; ``outside`` between parts, or everything without the flag
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
 
-``--push``: every rank runs with ``SAMEBITS_TP_PUSH=1`` (the row-parallel sums pushed through
-symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and peer copies count as
-communication too (a peer copy the profiler names a device-to-device copy does not).
+``--push [LEVEL]``: every rank runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; the row-parallel
+sums pushed through symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and
+peer copies count as communication too (a peer copy the profiler names a device-to-device copy
+does not; at 2 the GEMM's own stores into the peer count as the GEMM).
 """
 
 from __future__ import annotations
@@ -167,11 +168,12 @@ def main() -> None:
                         "trace (<workload>_tp<N>.json.gz)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
-    p.add_argument("--push", action="store_true",
-                   help="SAMEBITS_TP_PUSH=1 on every rank (inherited by the spawned ranks)")
+    p.add_argument("--push", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+                   help="SAMEBITS_TP_PUSH on every rank, inherited by the spawned ranks "
+                        "(--push: 1)")
     args = p.parse_args()
     if args.push:
-        os.environ["SAMEBITS_TP_PUSH"] = "1"
+        os.environ["SAMEBITS_TP_PUSH"] = str(args.push)
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)

@@ -1,15 +1,18 @@
-"""The push exchange of row-parallel sums (``SAMEBITS_TP_PUSH=1``) on two GPUs: the bits of NCCL's
-gather. Skipped without 2 CUDA devices.
+"""The push exchange of row-parallel sums (``SAMEBITS_TP_PUSH=1``: a copy to the peer; ``=2``: the
+GEMM's kernel stores into the peer's slot itself) on two GPUs: the bits of NCCL's gather. Skipped
+without 2 CUDA devices. Every bits test runs at both levels.
 
 What the tests prove:
 - Layer level, two ranks connected as the engine connects them (``_rank``): every rank opens the
-  exchange; for T = 1, 7, 64 and PUSH_MAX_ROWS rows a row-parallel layer pushes and the pushed
+  exchange, fused exactly at level 2; for T = 1, 7, 64 and PUSH_MAX_ROWS rows (the split, split,
+  fused-tree and segmented-TMA schedules) a row-parallel layer pushes and the pushed
   [2, T, H] is bitwise NCCL's gather of the same ``linear_sum``s, the layer's output one GPU's
   segmented ``linear``; at PUSH_MAX_ROWS + 1 it gathers; two layers (rings 0 and 1) captured in
   a CUDA graph on both ranks (the engine's ``as_captured`` variants) and replayed over new inputs
-  return the eager bits. Negative control: a barrier without the copy leaves the peer's slot
-  holding an earlier step's sum, which differs from the gather.
-- Engine level: TP 2 with push on returns bitwise the tokens and logprobs of TP 2 with push off,
+  return the eager bits. Negative control: a barrier without the copy (level 2: without the
+  peer store) leaves the peer's slot holding an earlier step's sum, which differs from the
+  gather.
+- Engine level: TP 2 with push on (each level) returns bitwise the tokens and logprobs of TP 2 with push off,
   on a tiny Qwen3 and on Qwen3-8B's shapes (dummy weights, 16 prompts), with CUDA graphs and
   eager; both ranks issue the same collectives, the row-parallel layers push at T <= PUSH_MAX_ROWS
   (prefill and decode steps, captured graphs included) and gather above it (a 3000-token prefill
@@ -30,7 +33,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
-from samebits import LLM, SamplingParams  # noqa: E402
+from samebits import LLM, SamplingParams, env  # noqa: E402
 from samebits.distributed.group import TPGroup  # noqa: E402
 from samebits.distributed.symmetric import PUSH_MAX_ROWS  # noqa: E402
 from samebits.models.parallel import RowParallelLinear  # noqa: E402
@@ -71,7 +74,9 @@ def _rank(rank: int, port: int, out: str) -> None:
         layer.weight.data = w[:, lo:hi].contiguous()
     full = row_parallel_bounds(K, S)
     checks: dict[str, bool] = {"exchange": group.exchange is not None,
-                               "rings": [m.ring for m in layers] == [0, 1]}
+                               "rings": [m.ring for m in layers] == [0, 1],
+                               "fused": group.exchange is not None and group.exchange.fused,
+                               "level": env.tp_push()}
     for t in TOKENS:
         x = _data(t, seed=t)
         mine = x[:, lo:hi].contiguous()
@@ -92,7 +97,8 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def _stale_slot(ops, group: TPGroup, layer, lo: int, hi: int) -> dict[str, bool]:
     """Negative control: this step's sum written into this rank's slot and the barrier met, but
-    no copy to the peer: the peer's slot here still holds the previous step's sum."""
+    no copy to the peer (nor, fused, a peer store): the peer's slot here still holds the
+    previous step's sum."""
     t, checks = 64, {}
     for seed in (1, 2):  # the first step pushes; the second skips the copy
         _barrier(group)
@@ -143,19 +149,19 @@ def _replayed(ops, group: TPGroup, layers, t: int, lo: int, hi: int, w, full
     return checks
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
-    """Both ranks' checks and traces (``SAMEBITS_TP_TRACE``), push on."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["push1", "push2"])
+def ranks(request, tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
+    """Both ranks' checks and traces (``SAMEBITS_TP_TRACE``), push at level 1 or 2."""
     out = tmp_path_factory.mktemp("push")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"SAMEBITS_TP_TRACE": str(out / "trace"), "SAMEBITS_TP_PUSH": "1"}
-    os.environ.update(env)  # read by both ranks at connect
+    variables = {"SAMEBITS_TP_TRACE": str(out / "trace"), "SAMEBITS_TP_PUSH": str(request.param)}
+    os.environ.update(variables)  # read by both ranks at connect
     try:
         torch.multiprocessing.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
     finally:
-        for name in env:
+        for name in variables:
             del os.environ[name]
     checks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     traces = [_trace(out / "trace", r) for r in range(2)]
@@ -169,6 +175,7 @@ def _trace(directory: Path, rank: int) -> list[dict]:
 
 def test_every_rank_opens_the_exchange_and_layers_alternate_rings(ranks):
     assert all(c["exchange"] and c["rings"] for c in ranks[0])
+    assert all(c["fused"] == (c["level"] == 2) for c in ranks[0])
 
 
 def test_layers_push_up_to_the_rings_rows_then_gather(ranks):
@@ -194,7 +201,7 @@ def test_pushes_replayed_from_a_cuda_graph_equal_eager(ranks, t):
         assert all(checks[f"graph_{t}_{seed}"] for seed in range(3))
 
 
-def test_negative_control_a_barrier_without_the_copy_leaves_a_stale_slot(ranks):
+def test_negative_control_a_barrier_without_the_copy_or_peer_store_leaves_a_stale_slot(ranks):
     assert all(c["negative_stale_slot"] for c in ranks[0])
 
 
@@ -208,18 +215,18 @@ OPTIONS = dict(load_format="dummy", device="cuda", dtype="bfloat16", seed=0, max
 KV = {TINY: 1 << 28, QWEN3_8B: 1 << 30}
 
 
-def _generate(config: str, push: bool, trace: Path | None = None, prompts=PROMPTS,
+def _generate(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
               params=PARAMS, **options) -> list[tuple[list[int], list[float]]]:
-    """TP 2's tokens and logprobs with push on or off (and each rank's collectives in
-    ``trace``); the variables are read by both ranks when they connect."""
-    env = {"SAMEBITS_TP_PUSH": "1" if push else "0"} | (
+    """TP 2's tokens and logprobs with push at level ``push`` (0: off) (and each rank's
+    collectives in ``trace``); the variables are read by both ranks when they connect."""
+    variables = {"SAMEBITS_TP_PUSH": str(push)} | (
         {"SAMEBITS_TP_TRACE": str(trace)} if trace else {})
-    os.environ.update(env)
+    os.environ.update(variables)
     try:
         llm = LLM(config, tensor_parallel_size=2, kv_cache_memory_bytes=KV[config],
                   **OPTIONS | options)
     finally:
-        for name in env:
+        for name in variables:
             del os.environ[name]
     try:
         return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
@@ -231,30 +238,36 @@ def _generate(config: str, push: bool, trace: Path | None = None, prompts=PROMPT
 @pytest.fixture(scope="module", params=[TINY, QWEN3_8B], ids=["tiny", "qwen3-8b"])
 def gathered(request) -> tuple[str, list]:
     """TP 2 with CUDA graphs, push off: the bits to match."""
-    return request.param, _generate(request.param, push=False)
+    return request.param, _generate(request.param, push=0)
 
 
-def test_push_with_cuda_graphs_equals_the_gather(gathered, tmp_path):
+LEVELS = pytest.mark.parametrize("level", [1, 2], ids=["push1", "push2"])
+
+
+@LEVELS
+def test_push_with_cuda_graphs_equals_the_gather(gathered, level, tmp_path):
     config, want = gathered
-    assert _generate(config, push=True, trace=tmp_path) == want
+    assert _generate(config, push=level, trace=tmp_path) == want
     rank_0 = _trace(tmp_path, 0)
     assert rank_0 == _trace(tmp_path, 1)
     assert sum(e["op"] == "push" for e in rank_0) > 0
 
 
-def test_push_eager_equals_the_gather(gathered):
+@LEVELS
+def test_push_eager_equals_the_gather(gathered, level):
     config, want = gathered
-    assert _generate(config, push=True, enforce_eager=True) == want
+    assert _generate(config, push=level, enforce_eager=True) == want
 
 
-def test_the_engine_pushes_up_to_the_rings_rows_and_gathers_above(tmp_path):
+@LEVELS
+def test_the_engine_pushes_up_to_the_rings_rows_and_gathers_above(level, tmp_path):
     """A 3000-token prompt prefilled in one step (T > PUSH_MAX_ROWS: the gather) among short
     ones (prefill and decode steps that push); the bits are push off's."""
     prompts = [[5] * 3000] + PROMPTS[:3]
     params = PARAMS[:4]
     options = dict(max_num_batched_tokens=4096, prompts=prompts, params=params)
-    assert _generate(TINY, push=True, trace=tmp_path, **options) == \
-        _generate(TINY, push=False, **options)
+    assert _generate(TINY, push=level, trace=tmp_path, **options) == \
+        _generate(TINY, push=0, **options)
     trace = _trace(tmp_path, 0)
     assert trace == _trace(tmp_path, 1)
     hidden = json.loads(Path(TINY).read_text())["hidden_size"]
@@ -266,6 +279,6 @@ def test_the_engine_pushes_up_to_the_rings_rows_and_gathers_above(tmp_path):
 
 
 def test_negative_control_the_standard_modes_all_reduce_differs_from_the_push():
-    push = _generate(TINY, push=True)
-    standard = _generate(TINY, push=True, batch_invariant=False)
+    push = _generate(TINY, push=2)
+    standard = _generate(TINY, push=2, batch_invariant=False)
     assert [lp for _, lp in push] != [lp for _, lp in standard]
