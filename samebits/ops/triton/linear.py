@@ -32,6 +32,13 @@ tests/gpu/test_linear_bits.py). With one segment, rows above 64 take ``_linear_t
 adds the partials in registers in the same tree order, casts and stores once -- the same bits as
 the split schedule, without the [S, M, N] buffer and the sum kernel; other segmented products take
 the split schedule.
+
+A second output (``linear_sum``'s ``peer_out``: a tensor-parallel peer's slot, mapped here): the
+kernel that stores the final fp32 values -- the split program's one partial, the fused tree's
+program, ``_sum_partials_kernel``, ``_segmented_tma_kernel`` (plain masked stores beside its TMA
+store; its tile's shared memory budgets the layout conversion they take) -- stores each tile's
+same registers there too (``HAS_PEER``); torch's tree sum copies its result into both. Without
+it ``peer_ptr`` is None, a constexpr, and each kernel compiles as it did without the parameter.
 """
 
 from __future__ import annotations
