@@ -40,7 +40,9 @@ the same slots -- so the same bits:
 Every rank takes the same path for the same layer and step: ``takes_push`` reads the row count and
 width (the same on every rank), the layer's ring (the same model on every rank), the ring of the
 previous push (the same sequence of collectives on every rank) and whether the exchange exists
-(agreed on by every rank at connect, ``open_exchange``). The barrier and the copies are device
+and whether it is fused (both agreed on by every rank at connect, ``open_exchange``: every CUDA
+rank of several reports its ``SAMEBITS_TP_PUSH`` level and all take the smallest, so ranks whose
+environments differ still take one path). The barrier and the copies are device
 work on the current stream with no host value of the batch: a CUDA graph captures them. The ring
 of each push is chosen on the host when the graph is captured, and a replay does not move
 ``last_ring``: this is safe because an engine forward begins with the vocab-parallel embedding's
@@ -152,30 +154,37 @@ def takes_push(exchange: PushExchange | None, ring: int, last_ring: int | None, 
     return exchange is not None and exchange.fits(rows, width) and ring != last_ring
 
 
-def fuses(world_size: int) -> bool:
-    """Whether an exchange is ``fused`` (the GEMM writes the peer's slot too):
-    ``SAMEBITS_TP_PUSH=2`` and two ranks. A rank's choice is its own: a fused rank stores into
-    its peer as a copying one copies, so ranks that differ still deliver every slot."""
-    return env.tp_push() >= 2 and world_size == 2
+def fuses(level: int, world_size: int) -> bool:
+    """Whether an exchange is ``fused`` (the GEMM writes the peer's slot too): the level every
+    rank agreed on (``open_exchange``) is 2 and there are two ranks."""
+    return level >= 2 and world_size == 2
 
 
-def wanted(device_type: str, world_size: int, width: int) -> bool:
-    """Whether a group opens an exchange: CUDA ranks, several of them, a row-parallel layer that
-    pushes (``width`` > 0), and ``SAMEBITS_TP_PUSH`` on."""
-    return device_type == "cuda" and world_size > 1 and width > 0 and env.tp_push() > 0
+def wanted(width: int) -> int:
+    """The push level this rank asks for at connect (0: none): ``SAMEBITS_TP_PUSH`` where a
+    row-parallel layer pushes (``width`` > 0). Every CUDA rank of several reports it to the
+    agreement (``open_exchange``), whatever it is, so ranks whose environments differ still
+    take one path."""
+    return env.tp_push() if width > 0 else 0
 
 
 def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
     """The group's exchange for rows up to ``width`` values wide, allocated, rendezvoused and
-    probed; None on every rank (logged) unless every rank has one. The ranks agree (``min_int``)
-    after allocating, so no rank enters the rendezvous alone, and after the rendezvous, so no rank
-    probes alone; a probe that returns wrong values on any rank raises on every rank."""
-    if not wanted(group.device.type, group.world_size, width):
+    probed; None on every rank (logged) unless every rank has one. On CUDA with several ranks
+    every rank first agrees on the level (``min_int`` of each rank's ``wanted``: 0 where any
+    rank asks for none), so no rank skips an agreement its peers wait in; on CPU, or one rank,
+    every rank returns at once and issues nothing. The ranks agree again after allocating, so no
+    rank enters the rendezvous alone, and after the rendezvous, so no rank probes alone; a probe
+    that returns wrong values on any rank raises on every rank."""
+    if group.device.type != "cuda" or group.world_size == 1:
+        return None
+    level = group.min_int(wanted(width))
+    if level == 0:
         return None
     local = _symmetric_empty((RINGS, group.world_size * PUSH_MAX_ROWS * width), group.device)
     if group.min_int(int(local is not None)) == 0:
         return None
-    exchange = _rendezvous(local, group.rank, group.world_size, width)
+    exchange = _rendezvous(local, group.rank, group.world_size, width, level)
     if group.min_int(int(exchange is not None)) == 0:
         return None
     if group.min_int(int(exchange.probe())) == 0:
@@ -202,9 +211,11 @@ def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tens
         return None
 
 
-def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int) -> PushExchange | None:
-    """``local`` rendezvoused over the world group and every rank's tensor mapped; None
-    (logged) where that fails or this rank's own mapping is not ``local`` itself."""
+def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int, level: int
+                ) -> PushExchange | None:
+    """``local`` rendezvoused over the world group and every rank's tensor mapped, fused where
+    the agreed ``level`` fuses; None (logged) where that fails or this rank's own mapping is not
+    ``local`` itself."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
         handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
@@ -218,7 +229,8 @@ def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int) -> PushE
     barrier = functools.partial(handle.barrier, channel=BARRIER_CHANNEL,
                                 timeout_ms=BARRIER_TIMEOUT_MS)
     peers = {r: t for r, t in mapped.items() if r != rank}
-    return PushExchange(local, peers, barrier, rank, width, handle=handle, fused=fuses(world))
+    return PushExchange(local, peers, barrier, rank, width, handle=handle,
+                        fused=fuses(level, world))
 
 
 def _mapped(handle, rank: int, like: torch.Tensor) -> torch.Tensor:

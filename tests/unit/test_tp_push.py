@@ -13,8 +13,11 @@ What the tests prove, bit for bit where bits are compared:
   layer, ``SAMEBITS_TP_PUSH`` 1 or 2), fused (the GEMM stores into the peer's slot; no copy)
   only at 2 with two ranks, the rows fit a ring, and the previous push since the last NCCL
   gather or all-reduce used the other ring; a Llama's row-parallel layers take rings 0, 1, 0, 1
-  in their forward order (o_proj, down_proj, layer by layer). Around the rendezvous the ranks
-  agree before each step, so no rank enters the rendezvous or the probe alone.
+  in their forward order (o_proj, down_proj, layer by layer). Every CUDA rank of several takes
+  part in the agreement on the level, its own ``SAMEBITS_TP_PUSH`` off or not (on CPU or one rank
+  none issues any collective), the exchange fuses only where every rank asked for 2, and around
+  the rendezvous the ranks agree before each step, so no rank enters the rendezvous or the probe
+  alone.
 - Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
   plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
   row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
@@ -27,6 +30,7 @@ What the tests prove, bit for bit where bits are compared:
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import threading
@@ -154,11 +158,10 @@ def test_a_fused_exchange_offers_the_peers_slot_and_copies_nothing():
         _exchange(0, 4, fused=True)
 
 
-@pytest.mark.parametrize("level,world,want", [("2", 2, True), ("2", 4, False), ("1", 2, False),
-                                              ("0", 2, False), ("", 2, False)])
-def test_only_push_level_2_with_two_ranks_fuses(level, world, want, monkeypatch):
-    monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
-    assert symmetric.fuses(world) is want
+@pytest.mark.parametrize("level,world,want", [(2, 2, True), (2, 4, False), (1, 2, False),
+                                              (0, 2, False)])
+def test_only_agreed_push_level_2_with_two_ranks_fuses(level, world, want):
+    assert symmetric.fuses(level, world) is want
 
 
 def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
@@ -172,26 +175,33 @@ def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
     assert not takes_push(None, 0, None, 1, H)  # no exchange
 
 
-@pytest.mark.parametrize("device,world,width,on,want", [
-    ("cuda", 2, H, "1", True), ("cuda", 4, H, "1", True), ("cuda", 2, H, "2", True),
-    ("cuda", 4, H, "2", True), ("cuda", 2, H, "0", False),
-    ("cuda", 2, H, "", False), ("cpu", 2, H, "1", False), ("cuda", 1, H, "1", False),
-    ("cuda", 2, 0, "1", False)])
-def test_an_exchange_is_wanted_only_for_pushing_cuda_ranks_with_push_on(
-        device, world, width, on, want, monkeypatch):
+@pytest.mark.parametrize("width,on,want", [(H, "1", 1), (H, "2", 2), (H, "0", 0), (H, "", 0),
+                                           (H, "true", 1), (0, "1", 0), (0, "2", 0)])
+def test_a_rank_asks_for_its_push_level_only_where_a_layer_pushes(width, on, want,
+                                                                  monkeypatch):
     monkeypatch.setenv("SAMEBITS_TP_PUSH", on)
-    assert wanted(device, world, width) is want
+    assert wanted(width) == want
 
 
-def test_push_off_or_on_cpu_opens_nothing_and_issues_no_collective(monkeypatch):
+def test_on_cpu_or_one_rank_no_rank_opens_anything_or_issues_a_collective(monkeypatch):
     monkeypatch.setenv("SAMEBITS_TP_PUSH", "1")
-    for group in (TPGroup(0, 2, "cpu"), TPGroup(0, 1, "cuda")):
+    for group in (TPGroup(0, 2, "cpu"), TPGroup(1, 2, "cpu"), TPGroup(0, 1, "cuda")):
         monkeypatch.setattr(group, "min_int", lambda v: pytest.fail("a collective was issued"))
         assert symmetric.open_exchange(group, H) is None
-    monkeypatch.setenv("SAMEBITS_TP_PUSH", "0")
-    group = TPGroup(0, 2, "cuda")
-    monkeypatch.setattr(group, "min_int", lambda v: pytest.fail("a collective was issued"))
-    assert symmetric.open_exchange(group, H) is None
+
+
+@pytest.mark.parametrize("mine,peer,width", [("0", 1, H), ("1", 0, H), ("", 2, H), ("1", 1, 0)])
+def test_every_cuda_rank_agrees_on_the_level_even_where_its_own_is_off(mine, peer, width,
+                                                                       monkeypatch):
+    """A rank whose ``SAMEBITS_TP_PUSH`` is off (or whose model pushes nothing) still takes part
+    in the agreement its peer waits in, and both then gather: one ``min_int`` each, nothing
+    allocated."""
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", mine)
+    monkeypatch.setattr(symmetric, "_symmetric_empty", lambda *a: pytest.fail("allocated"))
+    group, agreed = TPGroup(0, 2, "cuda"), []
+    monkeypatch.setattr(group, "min_int", lambda v: agreed.append(v) or min(v, peer))
+    assert symmetric.open_exchange(group, width) is None
+    assert agreed == [wanted(width)]
 
 
 class _Handle:
@@ -208,9 +218,11 @@ class _Handle:
         pass
 
 
-def _cuda_pair(monkeypatch, peer_ok: int, own_is_local: bool = True, rendezvous=None):
+def _cuda_pair(monkeypatch, peer_ok: int | list[int], own_is_local: bool = True,
+               rendezvous=None):
     """Rank 0 of two on "cuda" (CPU tensors standing in), push on; the peer reports ``peer_ok``
-    to every agreement (``min_int``), which returns the list of this rank's reports."""
+    to every agreement (``min_int``; a list: its reports in order), and the list returned
+    collects this rank's reports."""
     from torch.distributed import _symmetric_memory as symm_mem
     monkeypatch.setenv("SAMEBITS_TP_PUSH", "1")
     group, agreed = TPGroup(0, 2, "cuda"), []
@@ -219,13 +231,15 @@ def _cuda_pair(monkeypatch, peer_ok: int, own_is_local: bool = True, rendezvous=
                         rendezvous or (lambda local, name: _Handle(local, own_is_local)))
     monkeypatch.setattr(symmetric.dist, "group",
                         type("Groups", (), {"WORLD": type("World", (), {"group_name": "0"})}))
-    monkeypatch.setattr(group, "min_int", lambda v: agreed.append(v) or min(v, peer_ok))
+    replies = iter(peer_ok) if isinstance(peer_ok, list) else itertools.repeat(peer_ok)
+    monkeypatch.setattr(group, "min_int", lambda v: agreed.append(v) or min(v, next(replies)))
     return group, agreed
 
 
 def test_no_rendezvous_where_the_peer_could_not_allocate(monkeypatch):
-    group, agreed = _cuda_pair(monkeypatch, 0, rendezvous=lambda *a: pytest.fail("rendezvous"))
-    assert symmetric.open_exchange(group, H) is None and agreed == [1]
+    group, agreed = _cuda_pair(monkeypatch, [1, 0],
+                               rendezvous=lambda *a: pytest.fail("rendezvous"))
+    assert symmetric.open_exchange(group, H) is None and agreed == [1, 1]
 
 
 def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_gather(
@@ -234,17 +248,19 @@ def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_
         raise RuntimeError("no peer access")
     for kwargs in (dict(rendezvous=fails), dict(own_is_local=False)):
         group, agreed = _cuda_pair(monkeypatch, 1, **kwargs)
-        assert symmetric.open_exchange(group, H) is None and agreed == [1, 0]
+        assert symmetric.open_exchange(group, H) is None and agreed == [1, 1, 0]
     assert "rendezvous failed" in caplog.text
 
 
-def test_the_rendezvous_fuses_at_push_level_2(monkeypatch):
-    for level, fused in (("1", False), ("2", True)):
-        _cuda_pair(monkeypatch, 1)
-        monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
-        local = torch.zeros(RINGS, 2 * symmetric.PUSH_MAX_ROWS * H)
-        exchange = symmetric._rendezvous(local, 0, 2, H)
-        assert exchange.fused is fused
+@pytest.mark.parametrize("mine,peer,fused", [("1", 1, False), ("2", 2, True), ("2", 1, False),
+                                             ("1", 2, False)])
+def test_the_exchange_fuses_only_where_every_rank_asked_for_level_2(mine, peer, fused,
+                                                                    monkeypatch):
+    group, agreed = _cuda_pair(monkeypatch, peer)
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", mine)
+    monkeypatch.setattr(PushExchange, "probe", lambda self: True)  # the stand-in peer writes none
+    exchange = symmetric.open_exchange(group, H)
+    assert exchange.fused is fused and agreed == [int(mine), 1, 1, 1]
 
 
 @pytest.mark.parametrize("level", ["1", "2"])
@@ -255,7 +271,7 @@ def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(level, monkeypa
     monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
     with pytest.raises(RuntimeError, match="probe"):
         symmetric.open_exchange(group, H)
-    assert agreed == [1, 1, 0]
+    assert agreed == [int(level), 1, 1, 0]
 
 
 def test_a_llamas_row_parallel_layers_take_alternating_rings_in_forward_order(tmp_path):
