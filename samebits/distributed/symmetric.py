@@ -15,7 +15,9 @@ the same slots -- so the same bits:
   sum straight into its slot of its own ring i (``linear_sum(..., out=slot)``); a copy of that
   slot into the same slot of every peer's ring i (a device-to-device copy through the peer
   mapping, over NVLink); torch's ``barrier`` on channel 0 (one kernel on the current stream: it
-  signals every peer and waits for every peer's signal); then the norm reads ring i as [N, T, H].
+  signals every peer with a release and waits for every peer's signal with an acquire, both at
+  system scope -- torch >= ``MIN_TORCH``, checked at connect, where a probe that raises makes
+  every rank gather); then the norm reads ring i as [N, T, H].
   Each peer issued its copy into this rank's ring i before its own barrier, so once this rank's
   barrier returns every peer's slot is written.
 - ``SAMEBITS_TP_PUSH=2`` with two ranks (``PushExchange.fused``): no copy. The kernel that
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from samebits import env
 
@@ -72,6 +75,12 @@ RINGS = 2  # buffers alternated between consecutive row-parallel layers (module 
 # engine); more rows take NCCL's gather
 PUSH_MAX_ROWS = 2048
 BARRIER_CHANNEL = 0  # the signal-pad channel of every push's barrier
+# the oldest torch whose symmetric-memory ``barrier`` takes ``timeout_ms`` and signals with a
+# release and waits with an acquire at system scope (``try_put_signal<Release>`` /
+# ``try_wait_signal<Acquire>`` in CUDASymmetricMemory's ``barrier_kernel``; pytorch/pytorch#137643,
+# landed after 2.5's branch cut): the visibility argument of the module docstring needs both.
+# Before it the kernel's signals were relaxed compare-and-swaps (``atomicCAS_system``), no fence
+MIN_TORCH = (2, 6)
 # a barrier waiting this long for a peer traps (the device kernel aborts the process's CUDA
 # context), as long as a collective waits for its peers (samebits.distributed.group.TIMEOUT)
 BARRIER_TIMEOUT_MS = 30 * 60 * 1000
@@ -160,12 +169,23 @@ def fuses(level: int, world_size: int) -> bool:
     return level >= 2 and world_size == 2
 
 
+def torch_supports(version: str = torch.__version__) -> bool:
+    """Whether ``version`` of torch has the barrier the exchange relies on (``MIN_TORCH``)."""
+    return TorchVersion(version) >= MIN_TORCH
+
+
 def wanted(width: int) -> int:
     """The push level this rank asks for at connect (0: none): ``SAMEBITS_TP_PUSH`` where a
-    row-parallel layer pushes (``width`` > 0). Every CUDA rank of several reports it to the
-    agreement (``open_exchange``), whatever it is, so ranks whose environments differ still
-    take one path."""
-    return env.tp_push() if width > 0 else 0
+    row-parallel layer pushes (``width`` > 0) and torch is at least ``MIN_TORCH`` (else logged).
+    Every CUDA rank of several reports it to the agreement (``open_exchange``), whatever it is,
+    so ranks whose environments differ still take one path."""
+    level = env.tp_push() if width > 0 else 0
+    if level and not torch_supports():
+        log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its barrier's "
+                    "release/acquire signals and timeout), this is %s; the row-parallel sums "
+                    "take NCCL's gather", *MIN_TORCH, torch.__version__)
+        return 0
+    return level
 
 
 def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
@@ -175,7 +195,8 @@ def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
     rank asks for none), so no rank skips an agreement its peers wait in; on CPU, or one rank,
     every rank returns at once and issues nothing. The ranks agree again after allocating, so no
     rank enters the rendezvous alone, and after the rendezvous, so no rank probes alone; a probe
-    that returns wrong values on any rank raises on every rank."""
+    that raises on any rank (torch's API differs) makes every rank gather, one that returns
+    wrong values on any rank raises on every rank."""
     if group.device.type != "cuda" or group.world_size == 1:
         return None
     level = group.min_int(wanted(width))
@@ -187,10 +208,30 @@ def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
     exchange = _rendezvous(local, group.rank, group.world_size, width, level)
     if group.min_int(int(exchange is not None)) == 0:
         return None
-    if group.min_int(int(exchange.probe())) == 0:
+    verdict = group.min_int(_probed(exchange))
+    if verdict == PROBE_RAISED:
+        return None
+    if verdict == PROBE_WRONG:
         raise RuntimeError(f"tensor parallel: rank {group.rank}'s symmetric-memory push probe "
                            "did not deliver every rank's value to its slot")
     return exchange
+
+
+PROBE_RAISED, PROBE_WRONG, PROBE_OK = 0, 1, 2  # ``_probed``'s verdicts, agreed on by their min
+
+
+def _probed(exchange: PushExchange) -> int:
+    """``exchange.probe()``'s verdict: ``PROBE_OK`` where every value arrived, ``PROBE_WRONG``
+    where one did not, ``PROBE_RAISED`` (logged) where the probe raised -- torch's API is not
+    the one this module calls (a ``barrier`` without ``timeout_ms``, say): every rank then
+    gathers. The ranks share one torch, so an API that raises raises on each before any of them
+    launches a barrier kernel that would wait for it."""
+    try:
+        return PROBE_OK if exchange.probe() else PROBE_WRONG
+    except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
+        log.warning("tensor parallel: the symmetric-memory push probe raised (%s: %s); the "
+                    "row-parallel sums take NCCL's gather", type(e).__name__, e)
+        return PROBE_RAISED
 
 
 def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:

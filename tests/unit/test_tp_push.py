@@ -17,7 +17,8 @@ What the tests prove, bit for bit where bits are compared:
   part in the agreement on the level, its own ``SAMEBITS_TP_PUSH`` off or not (on CPU or one rank
   none issues any collective), the exchange fuses only where every rank asked for 2, and around
   the rendezvous the ranks agree before each step, so no rank enters the rendezvous or the probe
-  alone.
+  alone. A torch older than ``MIN_TORCH`` asks for no push; a probe that raises (torch's
+  ``barrier`` without ``timeout_ms``) on any rank makes every rank gather.
 - Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
   plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
   row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
@@ -256,22 +257,57 @@ def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_
                                              ("1", 2, False)])
 def test_the_exchange_fuses_only_where_every_rank_asked_for_level_2(mine, peer, fused,
                                                                     monkeypatch):
-    group, agreed = _cuda_pair(monkeypatch, peer)
+    group, agreed = _cuda_pair(monkeypatch, [peer, 1, 1, symmetric.PROBE_OK])
     monkeypatch.setenv("SAMEBITS_TP_PUSH", mine)
     monkeypatch.setattr(PushExchange, "probe", lambda self: True)  # the stand-in peer writes none
     exchange = symmetric.open_exchange(group, H)
-    assert exchange.fused is fused and agreed == [int(mine), 1, 1, 1]
+    assert exchange.fused is fused and agreed == [int(mine), 1, 1, symmetric.PROBE_OK]
 
 
 @pytest.mark.parametrize("level", ["1", "2"])
 def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(level, monkeypatch):
-    """The stand-in peer never writes its slot: rank 0 reports the probe failed, and the
-    agreement makes every rank raise (the peer's report is 1 here; min is 0)."""
-    group, agreed = _cuda_pair(monkeypatch, 1)
+    """The stand-in peer never writes its slot: rank 0 reports the probe wrong, and the
+    agreement makes every rank raise (the peer reports its probe fine)."""
+    group, agreed = _cuda_pair(monkeypatch, [int(level), 1, 1, symmetric.PROBE_OK])
     monkeypatch.setenv("SAMEBITS_TP_PUSH", level)
     with pytest.raises(RuntimeError, match="probe"):
         symmetric.open_exchange(group, H)
-    assert agreed == [int(level), 1, 1, 0]
+    assert agreed == [int(level), 1, 1, symmetric.PROBE_WRONG]
+
+
+class _OldBarrierHandle(_Handle):
+    """A handle whose ``barrier`` is an older torch's: no ``timeout_ms``."""
+
+    def barrier(self, channel: int = 0) -> None:
+        pass
+
+
+@pytest.mark.parametrize("raised_here", [True, False])
+def test_a_probe_that_raises_on_any_rank_makes_every_rank_gather(raised_here, monkeypatch,
+                                                                 caplog):
+    """torch's API differs from the one called (here a ``barrier`` without ``timeout_ms``): the
+    probe raises inside the fallback path, this rank reports it, and both ranks gather -- where
+    it raised here, and where the peer reports it raised."""
+    handle = (lambda local, name: _OldBarrierHandle(local, True)) if raised_here else None
+    monkeypatch.setattr(PushExchange, "probe", PushExchange.probe if raised_here else
+                        (lambda self: True))
+    group, agreed = _cuda_pair(monkeypatch, [1, 1, 1, symmetric.PROBE_OK if raised_here else
+                                             symmetric.PROBE_RAISED], rendezvous=handle)
+    assert symmetric.open_exchange(group, H) is None
+    here = symmetric.PROBE_RAISED if raised_here else symmetric.PROBE_OK
+    assert agreed == [1, 1, 1, here]
+    assert ("probe raised (TypeError" in caplog.text) is raised_here
+
+
+@pytest.mark.parametrize("version,ok", [("2.5.1", False), ("2.6.0a0+git1", False),
+                                        ("2.6.0", True), ("2.11.0+cu128", True),
+                                        ("2.13.0+cpu", True)])
+def test_push_needs_a_torch_whose_barrier_releases_and_acquires(version, ok, monkeypatch):
+    """Below ``MIN_TORCH`` a rank asks for no push (it still reports 0 to the agreement)."""
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "2")
+    assert symmetric.torch_supports(version) is ok
+    monkeypatch.setattr(symmetric, "torch_supports", lambda: ok)
+    assert wanted(H) == (2 if ok else 0)
 
 
 def test_a_llamas_row_parallel_layers_take_alternating_rings_in_forward_order(tmp_path):
