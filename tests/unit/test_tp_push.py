@@ -26,6 +26,12 @@ What the tests prove, bit for bit where bits are compared:
   copies, and for two ranks fused (each layer's ``linear_sum`` writes the peer's slot itself).
   Negative control: an exchange whose writes never reach the peers (no copy; fused, a peer slot
   no peer reads) returns other bits.
+- The ring of two: rank 1 reads each pushed stack only once rank 0 has issued its next push and
+  entered that push's barrier (the threads' barrier holds rank 1 back until then: the writer's
+  copy, or fused its GEMM's peer store, runs in the writer's thread before its barrier, so a
+  late reader can be overtaken); with two rings both ranks keep one device's bits, copying and
+  fused. Negative control: one ring (every layer on ring 0, the ring guard bypassed) -- rank 1's
+  bits break.
 """
 
 from __future__ import annotations
@@ -340,14 +346,35 @@ def test_an_nccl_gather_or_all_reduce_is_a_barrier_for_the_ring_choice(monkeypat
 
 class _Threads:
     """``world`` ranks run as threads: their exchanges share plain tensors as the symmetric
-    buffers and meet at ``meet`` for the barrier; NCCL's gather meets there too."""
+    buffers and meet at ``meet`` for the barrier; NCCL's gather meets there too. ``late``: rank
+    1 reads each pushed stack as late as a rank can -- its barrier returns only once rank 0 has
+    entered its next push barrier (so has issued that push's writes) or finished."""
 
-    def __init__(self, world: int, copy: bool = True, fused: bool = False) -> None:
+    def __init__(self, world: int, copy: bool = True, fused: bool = False,
+                 late: bool = False) -> None:
         self.world, self.meet = world, threading.Barrier(world, timeout=20)
         self.buffers = [torch.zeros(RINGS, world * ROWS * H) for _ in range(world)]
         self.shelf: list[torch.Tensor | None] = [None] * world
         self.rank = threading.local()
-        self.copy, self.fused = copy, fused
+        self.copy, self.fused, self.late = copy, fused, late
+        self.arrived = [0] * world  # push barriers each rank has entered
+        self.finished = [False] * world
+        self.moved = threading.Condition()
+
+    def barrier(self, rank: int):
+        """Rank ``rank``'s device barrier: every rank meets; with ``late``, rank 1 then waits
+        for rank 0's next arrival."""
+        def wait() -> None:
+            with self.moved:
+                self.arrived[rank] += 1
+                self.moved.notify_all()
+            self.meet.wait()
+            if self.late and rank == 1:
+                mine = self.arrived[1]
+                with self.moved:
+                    assert self.moved.wait_for(
+                        lambda: self.arrived[0] > mine or self.finished[0], timeout=20)
+        return wait
 
     def group(self, rank: int) -> TPGroup:
         """Rank ``rank``'s group; with ``copy`` False its peers' buffers are tensors no peer
@@ -355,8 +382,8 @@ class _Threads:
         group = TPGroup(rank, self.world)
         peers = {r: b for r, b in enumerate(self.buffers) if r != rank} if self.copy else \
             {r: torch.zeros_like(b) for r, b in enumerate(self.buffers) if r != rank}
-        group.exchange = PushExchange(self.buffers[rank], peers, self.meet.wait, rank, H, ROWS,
-                                      fused=self.fused)
+        group.exchange = PushExchange(self.buffers[rank], peers, self.barrier(rank), rank, H,
+                                      ROWS, fused=self.fused)
         group.trace = io.StringIO()
         return group
 
@@ -369,7 +396,12 @@ class _Threads:
     def run(self, fn) -> list:
         def one(rank: int):
             self.rank.value = rank
-            return fn(rank)
+            try:
+                return fn(rank)
+            finally:
+                with self.moved:
+                    self.finished[rank] = True
+                    self.moved.notify_all()
         with ThreadPoolExecutor(self.world) as pool:
             return [f.result() for f in [pool.submit(one, r) for r in range(self.world)]]
 
@@ -443,3 +475,34 @@ def test_negative_control_writes_that_never_reach_the_peer_return_other_bits(fus
     _, full, inputs = _layers_and_inputs(TPGroup(0, 2), [(3,)])
     want = REF.linear(inputs[0][0], full[0], k_bounds=row_parallel_bounds(K, S))
     assert not any(torch.equal(outs[0], want) for outs, _ in results)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("rings", [2, 1])
+def test_a_late_reader_keeps_its_bits_with_two_rings_and_is_overtaken_with_one(
+        rings, fused, monkeypatch):
+    """Rank 1 reads each pushed stack only after rank 0 has issued its next push (copied, or
+    fused stored by its GEMM, into rank 1's buffer) and reached that push's barrier: with the
+    ring of two, that push lands in the other ring and both ranks keep one device's bits.
+    Negative control: every layer on ring 0 with the ring guard bypassed -- rank 0's next push
+    overwrites its slot in the ring rank 1 has not read yet, and rank 1's bits break."""
+    threads = _Threads(2, fused=fused, late=True)
+    monkeypatch.setattr(group_module, "_ALL_GATHER", threads.all_gather)
+    if rings == 1:
+        monkeypatch.setattr(group_module, "takes_push",
+                            lambda ex, ring, last, rows, width: ex.fits(rows, width))
+    steps = [(3,), (5,), (2, 3)]
+
+    def forward(rank: int):
+        group = threads.group(rank)
+        layers, _, inputs = _layers_and_inputs(group, steps)
+        for layer in layers:
+            layer.ring %= rings
+        return [layer.gathered(REF, mine) for _, mine in inputs for layer in layers]
+    results = threads.run(forward)
+    _, full, inputs = _layers_and_inputs(TPGroup(0, 2), steps)
+    kb = row_parallel_bounds(K, S)
+    want = [REF.linear(x, w, k_bounds=kb) for x, _ in inputs for w in full]
+    same = [[torch.equal(o, w) for o, w in zip(outs, want, strict=True)] for outs in results]
+    assert all(same[0])  # rank 0 reads in time
+    assert all(same[1]) if rings == 2 else not any(same[1][:-1])  # the last push is not overtaken
