@@ -6,10 +6,13 @@ tree (``samebits.models.parallel.RowParallelLinear.gathered``). With ``SAMEBITS_
 on CUDA a ``PushExchange`` builds that stack instead of NCCL's gather, with the same fp32 values in
 the same slots -- so the same bits:
 
-- Buffers: one symmetric-memory fp32 tensor per rank, [RINGS, N * PUSH_MAX_ROWS * width],
+- Buffers: one symmetric-memory fp32 tensor per rank, [RINGS, N * max_rows * width] --
+  ``RINGS * N * max_rows * width * 4`` bytes on each rank (logged at connect), where ``max_rows``
+  is min(``PUSH_MAX_ROWS``, the engine's ``max_num_batched_tokens``) and ``width`` the widest
+  row-parallel output (the hidden size): 128 MiB for two ranks of hidden size 4096 --,
   rendezvoused over the world group when the group connects (``open_exchange``); each rank maps
   its peers' tensors (torch's ``get_remote_tensor``). For an exchange of T rows of H values
-  (T <= PUSH_MAX_ROWS, H <= width), rank r's sum sits at [r T H, (r + 1) T H) of a ring, so the
+  (T <= max_rows, H <= width), rank r's sum sits at [r T H, (r + 1) T H) of a ring, so the
   ring's first N T H values, viewed [N, T, H], are contiguous: the layout of NCCL's gather.
 - One exchange on ring i, in each rank's stream order: the row-parallel GEMM writes this rank's
   sum straight into its slot of its own ring i (``linear_sum(..., out=slot)``); a copy of that
@@ -72,7 +75,8 @@ log = logging.getLogger("samebits.engine")
 
 RINGS = 2  # buffers alternated between consecutive row-parallel layers (module docstring)
 # the most rows an exchange pushes (the default max_num_batched_tokens: every step of the default
-# engine); more rows take NCCL's gather
+# engine); an engine of fewer batched tokens reserves only those (``push_rows``); more rows take
+# NCCL's gather
 PUSH_MAX_ROWS = 2048
 BARRIER_CHANNEL = 0  # the signal-pad channel of every push's barrier
 # the oldest torch whose symmetric-memory ``barrier`` takes ``timeout_ms`` and signals with a
@@ -188,9 +192,17 @@ def wanted(width: int) -> int:
     return level
 
 
-def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
-    """The group's exchange for rows up to ``width`` values wide, allocated, rendezvoused and
-    probed; None on every rank (logged) unless every rank has one. On CUDA with several ranks
+def push_rows(max_batched_tokens: int | None) -> int:
+    """The rows a ring holds: ``PUSH_MAX_ROWS``, or the engine's ``max_num_batched_tokens``
+    (the most rows a forward has) where fewer."""
+    return PUSH_MAX_ROWS if max_batched_tokens is None else min(PUSH_MAX_ROWS, max_batched_tokens)
+
+
+def open_exchange(group: TPGroup, width: int, max_rows: int = PUSH_MAX_ROWS
+                  ) -> PushExchange | None:
+    """The group's exchange for up to ``max_rows`` rows of up to ``width`` values,
+    ``RINGS * N * max_rows * width * 4`` bytes of device memory on each rank (logged), allocated,
+    rendezvoused and probed; None on every rank (logged) unless every rank has one. On CUDA with several ranks
     every rank first agrees on the level (``min_int`` of each rank's ``wanted``: 0 where any
     rank asks for none), so no rank skips an agreement its peers wait in; on CPU, or one rank,
     every rank returns at once and issues nothing. The ranks agree again after allocating, so no
@@ -202,10 +214,13 @@ def open_exchange(group: TPGroup, width: int) -> PushExchange | None:
     level = group.min_int(wanted(width))
     if level == 0:
         return None
-    local = _symmetric_empty((RINGS, group.world_size * PUSH_MAX_ROWS * width), group.device)
+    local = _symmetric_empty((RINGS, group.world_size * max_rows * width), group.device)
     if group.min_int(int(local is not None)) == 0:
         return None
-    exchange = _rendezvous(local, group.rank, group.world_size, width, level)
+    log.info("tensor parallel: rank %d's push buffers: %d bytes (%d rings x %d ranks x %d rows x "
+             "%d fp32)", group.rank, local.numel() * local.element_size(), RINGS,
+             group.world_size, max_rows, width)
+    exchange = _rendezvous(local, group.rank, group.world_size, width, level, max_rows)
     if group.min_int(int(exchange is not None)) == 0:
         return None
     verdict = group.min_int(_probed(exchange))
@@ -252,8 +267,8 @@ def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tens
         return None
 
 
-def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int, level: int
-                ) -> PushExchange | None:
+def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int, level: int,
+                max_rows: int = PUSH_MAX_ROWS) -> PushExchange | None:
     """``local`` rendezvoused over the world group and every rank's tensor mapped, fused where
     the agreed ``level`` fuses; None (logged) where that fails or this rank's own mapping is not
     ``local`` itself."""
@@ -270,7 +285,7 @@ def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int, level: i
     barrier = functools.partial(handle.barrier, channel=BARRIER_CHANNEL,
                                 timeout_ms=BARRIER_TIMEOUT_MS)
     peers = {r: t for r, t in mapped.items() if r != rank}
-    return PushExchange(local, peers, barrier, rank, width, handle=handle,
+    return PushExchange(local, peers, barrier, rank, width, max_rows, handle=handle,
                         fused=fuses(level, world))
 
 

@@ -78,7 +78,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         ranks.wait_ready()
         log.info("tensor parallel: %d ranks loaded their shards in %.1f s", ranks.world,
                  time.perf_counter() - start)
-        group.connect(ranks.init_method)
+        group.connect(ranks.init_method, config.max_num_batched_tokens)
         ranks.watch()
         log.info("tensor parallel: process group connected (%s)", group.backend)
         with ranks.guard():

@@ -506,3 +506,19 @@ def test_a_late_reader_keeps_its_bits_with_two_rings_and_is_overtaken_with_one(
     same = [[torch.equal(o, w) for o, w in zip(outs, want, strict=True)] for outs in results]
     assert all(same[0])  # rank 0 reads in time
     assert all(same[1]) if rings == 2 else not any(same[1][:-1])  # the last push is not overtaken
+
+
+@pytest.mark.parametrize("tokens,rows", [(None, symmetric.PUSH_MAX_ROWS), (512, 512),
+                                         (symmetric.PUSH_MAX_ROWS * 4, symmetric.PUSH_MAX_ROWS)])
+def test_the_rings_hold_the_engines_batched_tokens_up_to_push_max_rows(tokens, rows,
+                                                                       monkeypatch, caplog):
+    """``connect``'s ``max_num_batched_tokens`` sizes the buffers: RINGS x N x rows x width fp32
+    per rank, logged once; the exchange holds exactly those rows."""
+    caplog.set_level("INFO", logger="samebits.engine")
+    group, _ = _cuda_pair(monkeypatch, [1, 1, 1, symmetric.PROBE_OK])
+    monkeypatch.setattr(PushExchange, "probe", lambda self: True)
+    assert symmetric.push_rows(tokens) == rows
+    exchange = symmetric.open_exchange(group, H, symmetric.push_rows(tokens))
+    assert exchange.local.shape == (RINGS, 2 * rows * H) and exchange.max_rows == rows
+    assert exchange.fits(rows, H) and not exchange.fits(rows + 1, H)
+    assert f"push buffers: {RINGS * 2 * rows * H * 4} bytes" in caplog.text
