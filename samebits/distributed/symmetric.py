@@ -42,6 +42,22 @@ the same slots -- so the same bits:
   the ring of the previous push when no NCCL gather or all-reduce (which every rank reaches only
   after its earlier reads) came between: that exchange takes the gather.
 
+Two invariants the argument above relies on, stated here because nothing checks them at run
+time (a change that breaks either races without an error):
+
+- (a) Every kernel launched with programmatic dependent launch calls ``wait_for_inputs``
+  (``samebits.ops.triton.launcher``) before any load or store of activations -- the GEMM that
+  writes a slot (and, fused, the peer's), the norm that reads a ring, every kernel between. So a
+  kernel's memory operations follow the completion of every earlier kernel in the stream, and
+  completion is transitive: the barrier kernel's release covers the GEMM's and the copy's
+  stores, and nothing after the barrier reads a ring before the barrier has returned.
+- (b) Every reader of a pushed stack -- the next norm (``PendingRankSum`` summed in it),
+  ``sum_tree``, the resolution of a pending sum where there is no residual yet
+  (``samebits.ops.pending_rank_sum.resolved``) -- runs in this rank's stream before its next
+  push barrier. A model that kept o_proj's stack (ring 0) unread while down_proj pushes (ring
+  1) would race: once this rank's ring-1 barrier returns, a peer may push the next o_proj's sum
+  into ring 0.
+
 Every rank takes the same path for the same layer and step: ``takes_push`` reads the row count and
 width (the same on every rank), the layer's ring (the same model on every rank), the ring of the
 previous push (the same sequence of collectives on every rank) and whether the exchange exists

@@ -197,7 +197,13 @@ class RowParallelLinear(nn.Module):
         """[N, ..., H] fp32: every rank's ``linear_sum`` of its own segments, in rank order --
         written by the GEMM into this rank's slot (and, fused, the peer's) and pushed where the
         group takes the push (``push_slot``: the same choice on every rank), else gathered by
-        NCCL."""
+        NCCL. A pushed result is a view of the group's ring, valid only until this rank's next
+        push barrier (``samebits.distributed.symmetric``, invariants): every reader of it (the
+        next norm, ``sum_tree``, ``resolved``) must run before the next row-parallel layer
+        pushes -- a caller that held o_proj's result while down_proj pushed would race -- and
+        every kernel launched programmatically calls ``wait_for_inputs`` before it loads or
+        stores activations, so the barrier's completion orders the GEMM's stores before it and
+        the readers after it."""
         lead, h = x.shape[:-1], self.weight.shape[0]
         slot = self.group.push_slot(self.ring, lead.numel(), h)
         if slot is None:
