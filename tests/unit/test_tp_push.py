@@ -6,8 +6,9 @@ What the tests prove, bit for bit where bits are compared:
   buffer, as a rank's slot is) exactly the bits it returns without ``out``, and nothing outside it,
   on the CPU reference backend and on the Triton kernels under ``TRITON_INTERPRET=1`` (one
   segment; the split schedule with the sum kernel and with torch's tree, the fused tree and the
-  segmented-TMA schedule); with ``peer_out`` too (a slot of another buffer, standing in for the
-  peer's) both receive those bits and nothing else in either buffer changes. An ``out`` or
+  segmented-TMA schedule), and on the standard backend (copies, as the reference's); with
+  ``peer_out`` too (a slot of another buffer, standing in for the peer's) both receive those
+  bits and nothing else in either buffer changes. An ``out`` or
   ``peer_out`` of another shape or dtype, or a non-contiguous one, is refused by name.
 - The choice: a group pushes only where an exchange was opened (CUDA, several ranks, a pushing
   layer, ``SAMEBITS_TP_PUSH`` 1 or 2), fused (the GEMM stores into the peer's slot; no copy)
@@ -55,11 +56,13 @@ from samebits.loader import load
 from samebits.models.parallel import RowParallelLinear
 from samebits.ops.backend import row_parallel_bounds
 from samebits.ops.reference import ReferenceBackend
+from samebits.ops.standard import StandardBackend
 from tests.tiny_models import TP_LLAMA_CONFIG, write_config
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton kernels run compiled here (tests/gpu)")
 REF = ReferenceBackend()
+STANDARD = StandardBackend()
 K, H, S = 64, 24, 4  # 4 segments: two ranks own 2 each, four ranks 1 each (subtrees)
 ROWS = 8  # the fake exchange's ring rows
 
@@ -93,11 +96,14 @@ def _into_slot(linear_sum, x, w, kb) -> None:
     assert buffer[:out.numel()].isnan().all() and peer_buffer[peer.numel():].isnan().all()
 
 
+@pytest.mark.parametrize("backend", [REF, STANDARD], ids=["reference", "standard"])
 @pytest.mark.parametrize("s", [1, 2, 3, 4])
 @pytest.mark.parametrize("rows", [(1,), (5,), (2, 3)])
-def test_reference_linear_sum_writes_its_bits_into_out_and_peer_out(s, rows):
+def test_cpu_linear_sum_writes_its_bits_into_out_and_peer_out(backend, s, rows):
+    """The reference backend, and the standard one (its ``linear_sum`` takes the protocol's
+    ``out`` and ``peer_out`` too, as copies)."""
     x, w = _data(rows, 37 * s + 5, H, seed=s)
-    _into_slot(REF.linear_sum, x, w, row_parallel_bounds(x.shape[-1], s))
+    _into_slot(backend.linear_sum, x, w, row_parallel_bounds(x.shape[-1], s))
 
 
 def _triton():
@@ -125,9 +131,10 @@ def test_triton_linear_sum_writes_its_bits_into_out_and_peer_out(s, m, dtype, sc
     _into_slot(_triton().linear_sum, x, w, kb)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("backend", ["reference", "standard",
+                                     pytest.param("triton", marks=interpreted)])
 def test_linear_sum_refuses_an_out_it_cannot_fill_as_written(backend):
-    ops = REF if backend == "reference" else _triton()
+    ops = {"reference": REF, "standard": STANDARD}.get(backend) or _triton()
     x, w = _data((4,), K, H, seed=0)
     kb = row_parallel_bounds(K, 2)
     cases = {"contiguous": torch.empty(H, 4).t(), r"expected \(4, 24\)": torch.empty(4, H + 1),
