@@ -14,8 +14,11 @@ replay, sampling, ...; ``outside`` between parts, or everything without the flag
 
 ``--push [LEVEL]``: every rank runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; the row-parallel
 sums pushed through symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and
-peer copies count as communication too (a peer copy the profiler names a device-to-device copy
-does not; at 2 the GEMM's own stores into the peer count as the GEMM).
+peer copies count as communication too: the profiler names a level-1 peer copy "Memcpy DtoD", so
+where the exchange copies (level 1, or 2 above two ranks) every device-to-device copy counts as
+communication, and each line reports ``memcpy_dtod_s`` alone (level 0's is the steps' own
+copies, which that count then includes too); at 2 with two ranks the GEMM's own stores into the
+peer count as the GEMM.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill"
              "batch": (64, 1024, 256)}  # tensor_parallel.py's batch workload
 # device work that counts as communication: NCCL's kernels; the push's barrier and peer copies
 COMM = ("nccl", "barrier_kernel", "memcpy ptop")
+DTOD = "memcpy dtod"  # how the profiler names a copy into a peer's mapped buffer
+
+
+def comm_names(push: int, tp: int) -> tuple[str, ...]:
+    """What counts as communication at push level ``push`` with ``tp`` ranks: ``COMM``, and
+    device-to-device copies where the exchange copies (level 1, or 2 above two ranks)."""
+    return COMM + (DTOD,) if push == 1 or (push == 2 and tp > 2) else COMM
 
 
 def _sync() -> None:
@@ -53,9 +63,10 @@ def _device_events(prof) -> list:
             and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("host.", "nccl:"))]
 
 
-def _summary(prof, wall: float, top: int) -> dict:
-    """GPU seconds (the kernels' durations summed: overlapping kernels count twice), the NCCL
-    share of them and their duration percentiles, and the ``top`` kernels by time."""
+def _summary(prof, wall: float, top: int, comm_of: tuple[str, ...] = COMM) -> dict:
+    """GPU seconds (the kernels' durations summed: overlapping kernels count twice), the share
+    of them whose names contain one of ``comm_of``, the device-to-device copies' seconds, the
+    NCCL kernels' duration percentiles, and the ``top`` kernels by time."""
     events = _device_events(prof)
     by_name: dict[str, list] = {}
     for e in events:
@@ -63,7 +74,8 @@ def _summary(prof, wall: float, top: int) -> dict:
         entry[0] += 1
         entry[1] += e.time_range.elapsed_us()
     total = sum(v[1] for v in by_name.values()) / 1e6
-    comm = sum(v[1] for k, v in by_name.items() if any(c in k.lower() for c in COMM)) / 1e6
+    comm = sum(v[1] for k, v in by_name.items() if any(c in k.lower() for c in comm_of)) / 1e6
+    dtod = sum(v[1] for k, v in by_name.items() if DTOD in k.lower()) / 1e6
     nccl = sorted(e.time_range.elapsed_us() for e in events if "nccl" in e.name.lower())
     pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
            for q in (0, 10, 50, 90, 99)} if nccl else {}
@@ -71,6 +83,7 @@ def _summary(prof, wall: float, top: int) -> dict:
     return {"nccl_kernel_us": pct, "wall_s": round(wall, 4), "gpu_s": round(total, 4),
             "gpu_busy_share": round(total / wall, 3),
             "comm_share_of_gpu": round(comm / total, 3) if total else None,
+            "memcpy_dtod_s": round(dtod, 4),
             "top": [(k[:70], v[0], round(v[1] / 1e3, 2)) for k, v in rows]}
 
 
@@ -191,8 +204,9 @@ def main() -> None:
             llm.generate(prompts, params, use_tqdm=False)
             _sync()
             wall = time.perf_counter() - start
+        summary = _summary(prof, wall, args.top, comm_names(args.push, args.tp))
         print(json.dumps({"tp": args.tp, "push": args.push, "workload": name, "requests": n,
-                          "prompt": prompt, "generated": gen} | _summary(prof, wall, args.top) | _idle(prof)),
+                          "prompt": prompt, "generated": gen} | summary | _idle(prof)),
               flush=True)
         if args.trace:
             _write_trace(prof, os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))
