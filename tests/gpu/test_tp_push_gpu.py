@@ -18,6 +18,8 @@ What the tests prove:
   (prefill and decode steps, captured graphs included) and gather above it (a 3000-token prefill
   step), and no fp32 row-parallel gather is left at T <= PUSH_MAX_ROWS. Negative control: the
   standard mode's all-reduce gives other logprobs than the invariant push.
+- Ranks whose ``SAMEBITS_TP_PUSH`` differ both take the agreement on the level and connect
+  (within 120 s): both gather where one is off, both copy (unfused) at 1 and 2.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +285,51 @@ def test_negative_control_the_standard_modes_all_reduce_differs_from_the_push():
     push = _generate(TINY, push=2)
     standard = _generate(TINY, push=2, batch_invariant=False)
     assert [lp for _, lp in push] != [lp for _, lp in standard]
+
+
+def _mixed_rank(rank: int, port: int, out: str, levels: tuple[str, str]) -> None:
+    """One rank connecting with its own ``SAMEBITS_TP_PUSH`` (``levels[rank]``): whether it
+    opened an exchange, fused or not, and whether a row-parallel layer's [2, T, H] is the
+    gather's."""
+    os.environ["SAMEBITS_TP_PUSH"] = levels[rank]
+    torch.cuda.set_device(rank)
+    ops, group = TritonBackend(), TPGroup(rank, 2, torch.device("cuda", rank))
+    layer = RowParallelLinear(K, H, S, group).cuda()
+    group.connect(f"tcp://127.0.0.1:{port}")
+    lo, hi = layer.weight.spec.span(0)
+    mine = _data(7, seed=7)[:, lo:hi].contiguous()
+    gathered = group.all_gather(ops.linear_sum(mine, layer.weight, layer.k_bounds).unsqueeze(0))
+    checks = {"exchange": group.exchange is not None,
+              "fused": group.exchange is not None and group.exchange.fused,
+              "bits": torch.equal(layer.rank_sums(ops, mine), gathered)}
+    (Path(out) / f"rank-{rank}.json").write_text(json.dumps(checks))
+    torch.distributed.barrier()
+    torch.cuda.synchronize()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("levels,exchange,fused", [(("2", "0"), False, False),
+                                                   (("0", "1"), False, False),
+                                                   (("2", "1"), True, False),
+                                                   (("1", "2"), True, False)])
+def test_ranks_whose_push_variables_differ_agree_and_connect_without_waiting(
+        levels, exchange, fused, tmp_path):
+    """Each rank reads its own ``SAMEBITS_TP_PUSH``: both take the agreement and then the
+    smallest level (off: both gather; 1 and 2: both copy, unfused), within 120 s (a rank that
+    skipped the agreement would leave its peer in it for the group's 30-minute timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = torch.multiprocessing.spawn(_mixed_rank, args=(port, str(tmp_path), levels),
+                                          nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, "the ranks did not connect within 120 s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    for rank in range(2):
+        checks = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert checks == {"exchange": exchange, "fused": fused, "bits": True}
