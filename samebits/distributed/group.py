@@ -16,7 +16,7 @@ one of its slots through gloo.
 ``push_slot`` / ``push``: with ``SAMEBITS_TP_PUSH=1`` or 2 on CUDA, a row-parallel layer's fp32
 sums reach every rank through symmetric memory -- written into each peer's buffer (copied, or at
 2 with two ranks stored there by the GEMM itself: ``push_peer_slot``), then a device-side
-barrier -- instead of ``all_gather``, the same values in the same [N, T, H] slots
+barrier that ``abort`` ends too -- instead of ``all_gather``, the same values in the same [N, T, H] slots
 (``samebits.distributed.symmetric``: the buffers, their ring of two and why every rank takes the
 same path). ``connect`` opens that exchange after its check, for the widest row a layer
 ``reserve_push``'d; rows above its capacity, and every group where it is off or failed to open,
@@ -221,10 +221,15 @@ class TPGroup:
 
     def abort(self) -> None:
         """Make collectives that wait for a dead peer fail instead of waiting (NCCL; gloo's fail
-        by themselves when a peer's connection closes). Blocks its caller (the driver's watcher
+        by themselves when a peer's connection closes), and the push exchange's barriers return
+        (``PushExchange.abort``: a host write, first, so a barrier spinning on the dead peer
+        lets the stream reach NCCL's collectives). Blocks its caller (the driver's watcher
         thread) until the graphs that captured the group's collectives are released."""
         if not (self.connected and self.device.type == "cuda"):
             return
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.abort()
         with self.lock:
             backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
             abort = getattr(backend, "abort", None)

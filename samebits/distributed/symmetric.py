@@ -17,10 +17,10 @@ the same slots -- so the same bits:
 - One exchange on ring i, in each rank's stream order: the row-parallel GEMM writes this rank's
   sum straight into its slot of its own ring i (``linear_sum(..., out=slot)``); a copy of that
   slot into the same slot of every peer's ring i (a device-to-device copy through the peer
-  mapping, over NVLink); torch's ``barrier`` on channel 0 (one kernel on the current stream: it
-  signals every peer with a release and waits for every peer's signal with an acquire, both at
-  system scope -- torch >= ``MIN_TORCH``, checked at connect, where a probe that raises makes
-  every rank gather); then the norm reads ring i as [N, T, H].
+  mapping, over NVLink); the ranks' barrier (``samebits.ops.triton.rank_barrier``: one kernel
+  on the current stream; it signals every peer with a release and waits for every peer's signal
+  with an acquire, both at system scope, through an int32 flag per pair of ranks in a second
+  symmetric-memory tensor, [N] on each rank); then the norm reads ring i as [N, T, H].
   Each peer issued its copy into this rank's ring i before its own barrier, so once this rank's
   barrier returns every peer's slot is written.
 - ``SAMEBITS_TP_PUSH=2`` with two ranks (``PushExchange.fused``): no copy. The kernel that
@@ -69,12 +69,25 @@ of each push is chosen on the host when the graph is captured, and a replay does
 ``last_ring``: this is safe because an engine forward begins with the vocab-parallel embedding's
 NCCL gather and a replayed step's hidden states go next to the LM head's NCCL gather (each a
 barrier for the rings), and the graphs of one step replay in the order they were captured.
+
+A rank that dies mid-step leaves its peers' barriers waiting for a signal that never comes, and
+NCCL's abort cannot stop a kernel that is not NCCL's. So the barrier also watches an abort word
+of this exchange, an int32 in page-locked host memory the host writes directly
+(``PushExchange.abort``, which ``TPGroup.abort`` calls before aborting NCCL): once it is set
+every barrier of the exchange returns within a few spins, and the stream runs on to NCCL's
+collectives, which NCCL's abort ends. Invariant: the word is set only to abandon the group;
+what a forward computes after it is garbage, and the engine's guard reports the dead rank
+instead of a result (``samebits.engine.executor.Ranks.guard``). A new connect opens a new
+exchange, with new flags and a word that is clear. The barrier has no timeout of its own: a
+peer that dies while nothing watches the ranks (the probe at connect) leaves it waiting until
+this process is killed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -94,30 +107,24 @@ RINGS = 2  # buffers alternated between consecutive row-parallel layers (module 
 # engine); an engine of fewer batched tokens reserves only those (``push_rows``); more rows take
 # NCCL's gather
 PUSH_MAX_ROWS = 2048
-BARRIER_CHANNEL = 0  # the signal-pad channel of every push's barrier
-# the oldest torch whose symmetric-memory ``barrier`` takes ``timeout_ms`` and signals with a
-# release and waits with an acquire at system scope (``try_put_signal<Release>`` /
-# ``try_wait_signal<Acquire>`` in CUDASymmetricMemory's ``barrier_kernel``; pytorch/pytorch#137643,
-# landed after 2.5's branch cut): the visibility argument of the module docstring needs both.
-# Before it the kernel's signals were relaxed compare-and-swaps (``atomicCAS_system``), no fence
+# the oldest torch whose symmetric-memory API (``empty_strided_p2p``, ``rendezvous`` over a group
+# name, ``get_remote_tensor``) this module is written against; older ones take NCCL's gather
 MIN_TORCH = (2, 6)
-# a barrier waiting this long for a peer traps (the device kernel aborts the process's CUDA
-# context), as long as a collective waits for its peers (samebits.distributed.group.TIMEOUT)
-BARRIER_TIMEOUT_MS = 30 * 60 * 1000
 
 
 class PushExchange:
     """A rank's symmetric buffers and its peers' (module docstring). ``local``: this rank's
     [RINGS, N * max_rows * width] fp32 tensor; ``peers``: every other rank's, mapped here, by
     rank; ``barrier``: a device-side barrier of every rank on the current stream; ``handle``:
-    whatever keeps the mappings alive (torch's symmetric-memory handle); ``fused``: the kernel
+    whatever keeps the mappings alive (torch's symmetric-memory handles); ``fused``: the kernel
     that writes this rank's slot also writes it into the one peer's (``peer_slot``), and
-    ``exchange`` copies nothing."""
+    ``exchange`` copies nothing; ``abort_word``: the int32 [1] the barrier watches (module
+    docstring; None where the barrier watches none)."""
 
     def __init__(self, local: torch.Tensor, peers: dict[int, torch.Tensor],
                  barrier: Callable[[], None], rank: int, width: int,
                  max_rows: int = PUSH_MAX_ROWS, handle: object = None,
-                 fused: bool = False) -> None:
+                 fused: bool = False, abort_word: torch.Tensor | None = None) -> None:
         world = len(peers) + 1
         if local.shape != (RINGS, world * max_rows * width) or local.dtype != torch.float32:
             raise ValueError(f"PushExchange: local buffer {tuple(local.shape)} {local.dtype}, "
@@ -128,7 +135,14 @@ class PushExchange:
             raise ValueError(f"PushExchange: a fused exchange has one peer, not {world - 1}")
         self.local, self.peers, self.barrier, self.handle = local, peers, barrier, handle
         self.rank, self.world_size, self.width, self.max_rows = rank, world, width, max_rows
-        self.fused = fused
+        self.fused, self.abort_word = fused, abort_word
+
+    def abort(self) -> None:
+        """Make every barrier of this exchange return within a few spins, the one spinning now
+        and every later one (a rank died; module docstring): a host write to the abort word,
+        which no stream operation waits behind. The exchange is not used again."""
+        if self.abort_word is not None:
+            self.abort_word.fill_(1)
 
     def fits(self, rows: int, width: int) -> bool:
         """Whether an exchange of ``rows`` x ``width`` fp32 values fits a ring."""
@@ -190,7 +204,8 @@ def fuses(level: int, world_size: int) -> bool:
 
 
 def torch_supports(version: str = torch.__version__) -> bool:
-    """Whether ``version`` of torch has the barrier the exchange relies on (``MIN_TORCH``)."""
+    """Whether ``version`` of torch has the symmetric-memory API this module calls
+    (``MIN_TORCH``)."""
     return TorchVersion(version) >= MIN_TORCH
 
 
@@ -201,9 +216,9 @@ def wanted(width: int) -> int:
     so ranks whose environments differ still take one path."""
     level = env.tp_push() if width > 0 else 0
     if level and not torch_supports():
-        log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its barrier's "
-                    "release/acquire signals and timeout), this is %s; the row-parallel sums "
-                    "take NCCL's gather", *MIN_TORCH, torch.__version__)
+        log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its "
+                    "symmetric-memory API), this is %s; the row-parallel sums take NCCL's "
+                    "gather", *MIN_TORCH, torch.__version__)
         return 0
     return level
 
@@ -221,22 +236,28 @@ def open_exchange(group: TPGroup, width: int, max_rows: int = PUSH_MAX_ROWS
     rendezvoused and probed; None on every rank (logged) unless every rank has one. On CUDA with several ranks
     every rank first agrees on the level (``min_int`` of each rank's ``wanted``: 0 where any
     rank asks for none), so no rank skips an agreement its peers wait in; on CPU, or one rank,
-    every rank returns at once and issues nothing. The ranks agree again after allocating, so no
-    rank enters the rendezvous alone, and after the rendezvous, so no rank probes alone; a probe
-    that raises on any rank (torch's API differs) makes every rank gather, one that returns
-    wrong values on any rank raises on every rank."""
+    every rank returns at once and issues nothing. The ranks agree again after allocating (the
+    barrier's flags zeroed and the device synchronized first, so no peer's signal lands before
+    the zeroing), so no rank enters the rendezvous alone, and after the rendezvous, so no rank
+    probes alone; a probe that raises on any rank (torch's or Triton's API differs) makes every
+    rank gather, one that returns wrong values on any rank raises on every rank."""
     if group.device.type != "cuda" or group.world_size == 1:
         return None
     level = group.min_int(wanted(width))
     if level == 0:
         return None
     local = _symmetric_empty((RINGS, group.world_size * max_rows * width), group.device)
-    if group.min_int(int(local is not None)) == 0:
+    flags = _symmetric_empty((group.world_size,), group.device, torch.int32)
+    if flags is not None:
+        flags.zero_()
+        if flags.is_cuda:
+            torch.cuda.synchronize(flags.device)
+    if group.min_int(int(local is not None and flags is not None)) == 0:
         return None
     log.info("tensor parallel: rank %d's push buffers: %d bytes (%d rings x %d ranks x %d rows x "
              "%d fp32)", group.rank, local.numel() * local.element_size(), RINGS,
              group.world_size, max_rows, width)
-    exchange = _rendezvous(local, group.rank, group.world_size, width, level, max_rows)
+    exchange = _rendezvous(local, flags, group.rank, group.world_size, width, level, max_rows)
     if group.min_int(int(exchange is not None)) == 0:
         return None
     verdict = group.min_int(_probed(exchange))
@@ -253,10 +274,11 @@ PROBE_RAISED, PROBE_WRONG, PROBE_OK = 0, 1, 2  # ``_probed``'s verdicts, agreed 
 
 def _probed(exchange: PushExchange) -> int:
     """``exchange.probe()``'s verdict: ``PROBE_OK`` where every value arrived, ``PROBE_WRONG``
-    where one did not, ``PROBE_RAISED`` (logged) where the probe raised -- torch's API is not
-    the one this module calls (a ``barrier`` without ``timeout_ms``, say): every rank then
-    gathers. The ranks share one torch, so an API that raises raises on each before any of them
-    launches a barrier kernel that would wait for it."""
+    where one did not, ``PROBE_RAISED`` (logged) where the probe raised -- torch's or Triton's
+    API is not the one this module calls (Triton's launcher refusing the abort word's host
+    address, say): every rank then gathers. The ranks share one torch and one Triton, so an API
+    that raises raises on each before any of them launches a barrier kernel that would wait for
+    it."""
     try:
         return PROBE_OK if exchange.probe() else PROBE_WRONG
     except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
@@ -265,8 +287,9 @@ def _probed(exchange: PushExchange) -> int:
         return PROBE_RAISED
 
 
-def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
-    """An fp32 tensor of torch's symmetric memory on ``device``, an allocation of its own; None
+def _symmetric_empty(shape: tuple[int, ...], device: torch.device,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """A contiguous tensor of torch's symmetric memory on ``device``, an allocation of its own; None
     (logged) where torch cannot allocate one. NVLink multicast stays off
     (``env.keep_torch_multicast_off``). Not from torch's symmetric-memory pool (where
     ``symm_mem.empty`` allocates): torch caches a rendezvous per allocation and group name, and a
@@ -276,33 +299,49 @@ def _symmetric_empty(shape: tuple[int, int], device: torch.device) -> torch.Tens
     try:
         from torch._C._distributed_c10d import _SymmetricMemory
         env.keep_torch_multicast_off()
-        return _SymmetricMemory.empty_strided_p2p(shape, (shape[1], 1), torch.float32, device)
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return _SymmetricMemory.empty_strided_p2p(shape, strides, dtype, device)
     except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
         log.warning("tensor parallel: no symmetric memory (%s: %s); the row-parallel sums take "
                     "NCCL's gather", type(e).__name__, e)
         return None
 
 
-def _rendezvous(local: torch.Tensor, rank: int, world: int, width: int, level: int,
-                max_rows: int = PUSH_MAX_ROWS) -> PushExchange | None:
-    """``local`` rendezvoused over the world group and every rank's tensor mapped, fused where
-    the agreed ``level`` fuses; None (logged) where that fails or this rank's own mapping is not
-    ``local`` itself."""
+def _rendezvous(local: torch.Tensor, flags: torch.Tensor, rank: int, world: int, width: int,
+                level: int, max_rows: int = PUSH_MAX_ROWS) -> PushExchange | None:
+    """``local`` and the barrier's ``flags`` rendezvoused over the world group (in that order on
+    every rank) and every rank's tensors mapped, fused where the agreed ``level`` fuses; None
+    (logged) where that fails, this rank's own mapping of either is not the tensor itself, or
+    the barrier cannot be built."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
-        handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
-        mapped = {r: _mapped(handle, r, local) for r in range(world)}
-        if mapped[rank].data_ptr() != local.data_ptr():
+        name = dist.group.WORLD.group_name
+        handles = (symm_mem.rendezvous(local, name), symm_mem.rendezvous(flags, name))
+        mapped = {r: _mapped(handles[0], r, local) for r in range(world)}
+        flag_buffers = [_mapped(handles[1], r, flags) for r in range(world)]
+        if mapped[rank].data_ptr() != local.data_ptr() or \
+                flag_buffers[rank].data_ptr() != flags.data_ptr():
             raise RuntimeError("this rank's mapping is not its own tensor")
+        barrier, abort_word = _device_barrier(flags, flag_buffers, rank)
     except Exception as e:  # noqa: BLE001 -- reported; every rank then gathers
         log.warning("tensor parallel: symmetric memory rendezvous failed (%s: %s); the "
                     "row-parallel sums take NCCL's gather", type(e).__name__, e)
         return None
-    barrier = functools.partial(handle.barrier, channel=BARRIER_CHANNEL,
-                                timeout_ms=BARRIER_TIMEOUT_MS)
     peers = {r: t for r, t in mapped.items() if r != rank}
-    return PushExchange(local, peers, barrier, rank, width, max_rows, handle=handle,
-                        fused=fuses(level, world))
+    return PushExchange(local, peers, barrier, rank, width, max_rows, handle=handles,
+                        fused=fuses(level, world), abort_word=abort_word)
+
+
+def _device_barrier(flags: torch.Tensor, buffers: list[torch.Tensor], rank: int
+                    ) -> tuple[Callable[[], None], torch.Tensor]:
+    """Rank ``rank``'s barrier over every rank's flag buffer (``buffers``, mapped here, in rank
+    order; ``flags`` its own) and the abort word it watches: a clear int32 in page-locked host
+    memory (``samebits.ops.triton.rank_barrier``)."""
+    from samebits.ops.triton.rank_barrier import rank_barrier
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64,
+                             device=flags.device)
+    abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=flags.is_cuda)
+    return functools.partial(rank_barrier, flags, addresses, abort_word, rank), abort_word
 
 
 def _mapped(handle, rank: int, like: torch.Tensor) -> torch.Tensor:

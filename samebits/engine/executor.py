@@ -216,9 +216,12 @@ class Ranks:
     def guard(self) -> Iterator[None]:
         """An exception while the ranks work (a collective whose peer died) becomes the dead
         rank's ``RankFailedError`` once the watcher has named it; the engine cannot run again,
-        so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that)."""
+        so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that). A body
+        that returns once the watcher has named a dead rank raises it too: after the group's
+        abort its results are garbage (``TPGroup.abort`` ends the push barriers)."""
         try:
             yield
+            self._check_failure()
         except RankFailedError:
             self._release_graphs()
             raise

@@ -18,8 +18,9 @@ What the tests prove, bit for bit where bits are compared:
   part in the agreement on the level, its own ``SAMEBITS_TP_PUSH`` off or not (on CPU or one rank
   none issues any collective), the exchange fuses only where every rank asked for 2, and around
   the rendezvous the ranks agree before each step, so no rank enters the rendezvous or the probe
-  alone. A torch older than ``MIN_TORCH`` asks for no push; a probe that raises (torch's
-  ``barrier`` without ``timeout_ms``) on any rank makes every rank gather.
+  alone. A torch older than ``MIN_TORCH`` asks for no push; a probe that raises (Triton refusing
+  the barrier's launch) on any rank makes every rank gather. The opened exchange's barrier
+  watches a clear abort word, which ``TPGroup.abort`` sets before it aborts NCCL.
 - Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
   plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
   row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
@@ -228,19 +229,20 @@ class _Handle:
     def get_remote_tensor(self, rank, shape, dtype):
         return self.local if rank == 0 and self.own_is_local else torch.zeros(shape, dtype=dtype)
 
-    def barrier(self, channel: int, timeout_ms: int) -> None:
-        pass
-
 
 def _cuda_pair(monkeypatch, peer_ok: int | list[int], own_is_local: bool = True,
-               rendezvous=None):
+               rendezvous=None, barrier=lambda: None):
     """Rank 0 of two on "cuda" (CPU tensors standing in), push on; the peer reports ``peer_ok``
     to every agreement (``min_int``; a list: its reports in order), and the list returned
-    collects this rank's reports."""
+    collects this rank's reports. The device barrier is ``barrier`` (the stand-in peer never
+    signals one), its abort word a CPU int32."""
     from torch.distributed import _symmetric_memory as symm_mem
     monkeypatch.setenv("SAMEBITS_TP_PUSH", "1")
     group, agreed = TPGroup(0, 2, "cuda"), []
-    monkeypatch.setattr(symmetric, "_symmetric_empty", lambda shape, device: torch.zeros(shape))
+    monkeypatch.setattr(symmetric, "_symmetric_empty",
+                        lambda shape, device, dtype=torch.float32: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(symmetric, "_device_barrier", lambda flags, buffers, rank: (
+        barrier, torch.zeros(1, dtype=torch.int32)))
     monkeypatch.setattr(symm_mem, "rendezvous",
                         rendezvous or (lambda local, name: _Handle(local, own_is_local)))
     monkeypatch.setattr(symmetric.dist, "group",
@@ -288,34 +290,32 @@ def test_a_probe_that_loses_the_peers_value_raises_on_every_rank(level, monkeypa
     assert agreed == [int(level), 1, 1, symmetric.PROBE_WRONG]
 
 
-class _OldBarrierHandle(_Handle):
-    """A handle whose ``barrier`` is an older torch's: no ``timeout_ms``."""
-
-    def barrier(self, channel: int = 0) -> None:
-        pass
+def _refused() -> None:
+    """A barrier whose launch Triton refuses (the abort word's address not mapped here)."""
+    raise ValueError("Pointer argument (at 2) cannot be accessed from Triton (cpu tensor?)")
 
 
 @pytest.mark.parametrize("raised_here", [True, False])
 def test_a_probe_that_raises_on_any_rank_makes_every_rank_gather(raised_here, monkeypatch,
                                                                  caplog):
-    """torch's API differs from the one called (here a ``barrier`` without ``timeout_ms``): the
-    probe raises inside the fallback path, this rank reports it, and both ranks gather -- where
-    it raised here, and where the peer reports it raised."""
-    handle = (lambda local, name: _OldBarrierHandle(local, True)) if raised_here else None
+    """The barrier's launch raises (Triton refuses the abort word's host address): the probe
+    raises inside the fallback path, this rank reports it, and both ranks gather -- where it
+    raised here, and where the peer reports it raised."""
     monkeypatch.setattr(PushExchange, "probe", PushExchange.probe if raised_here else
                         (lambda self: True))
     group, agreed = _cuda_pair(monkeypatch, [1, 1, 1, symmetric.PROBE_OK if raised_here else
-                                             symmetric.PROBE_RAISED], rendezvous=handle)
+                                             symmetric.PROBE_RAISED],
+                               barrier=_refused if raised_here else lambda: None)
     assert symmetric.open_exchange(group, H) is None
     here = symmetric.PROBE_RAISED if raised_here else symmetric.PROBE_OK
     assert agreed == [1, 1, 1, here]
-    assert ("probe raised (TypeError" in caplog.text) is raised_here
+    assert ("probe raised (ValueError" in caplog.text) is raised_here
 
 
 @pytest.mark.parametrize("version,ok", [("2.5.1", False), ("2.6.0a0+git1", False),
                                         ("2.6.0", True), ("2.11.0+cu128", True),
                                         ("2.13.0+cpu", True)])
-def test_push_needs_a_torch_whose_barrier_releases_and_acquires(version, ok, monkeypatch):
+def test_push_needs_torch_2_6_or_later(version, ok, monkeypatch):
     """Below ``MIN_TORCH`` a rank asks for no push (it still reports 0 to the agreement)."""
     monkeypatch.setenv("SAMEBITS_TP_PUSH", "2")
     assert symmetric.torch_supports(version) is ok
