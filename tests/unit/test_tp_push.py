@@ -20,7 +20,8 @@ What the tests prove, bit for bit where bits are compared:
   the rendezvous the ranks agree before each step, so no rank enters the rendezvous or the probe
   alone. A torch older than ``MIN_TORCH`` asks for no push; a probe that raises (Triton refusing
   the barrier's launch) on any rank makes every rank gather. The opened exchange's barrier
-  watches a clear abort word, which ``TPGroup.abort`` sets before it aborts NCCL.
+  watches a clear abort word, which ``TPGroup.abort`` sets before it aborts NCCL; the engine's
+  guard raises the dead rank's error for a call that returns after the rank was named.
 - Two and four ranks run as threads (a ``threading.Barrier`` standing in for the device barrier,
   plain tensors for the symmetric buffers, the gather through the same meeting): a sequence of
   row-parallel layers gives one device's segmented ``linear`` bits, pushed up to the ring's rows
@@ -321,6 +322,51 @@ def test_push_needs_torch_2_6_or_later(version, ok, monkeypatch):
     assert symmetric.torch_supports(version) is ok
     monkeypatch.setattr(symmetric, "torch_supports", lambda: ok)
     assert wanted(H) == (2 if ok else 0)
+
+
+def test_the_barrier_maps_every_ranks_flags_and_watches_a_clear_abort_word():
+    """``_device_barrier``: the kernel gets this rank's flags, every rank's flag address in rank
+    order and a clear int32 abort word; ``PushExchange.abort`` sets the word."""
+    pytest.importorskip("triton")
+    buffers = [torch.zeros(2, dtype=torch.int32) for _ in range(2)]
+    barrier, word = symmetric._device_barrier(buffers[1], buffers, 1)
+    flags, addresses, abort, rank = barrier.args
+    assert flags is buffers[1] and abort is word and rank == 1
+    assert addresses.tolist() == [b.data_ptr() for b in buffers]
+    assert word.dtype == torch.int32 and word.tolist() == [0]
+    exchange = _exchange(1, 2)
+    exchange.abort_word = word
+    exchange.abort()
+    assert word.tolist() == [1]
+
+
+def test_group_abort_sets_the_abort_word_before_it_aborts_nccl(monkeypatch):
+    """The watcher's ``TPGroup.abort``: the barrier spinning on the dead rank must return before
+    NCCL's abort, which waits until the caller's error has released the graphs."""
+    group, word, seen = TPGroup(0, 2, "cuda"), torch.zeros(1, dtype=torch.int32), []
+    group.connected, group.exchange = True, _exchange(0, 2)
+    group.exchange.abort_word = word
+    backend = type("Backend", (), {"abort": lambda self: seen.append(word.item())})()
+    default = type("Default", (), {"_get_backend": lambda self, device: backend})()
+    monkeypatch.setattr(group_module.dist.distributed_c10d, "_get_default_group", lambda: default)
+    group.abort()
+    assert seen == [1] and word.tolist() == [1]
+
+
+def test_a_guarded_call_that_returns_after_a_rank_was_named_dead_raises_it():
+    """``Ranks.guard``: a body that returns once the watcher has named a dead rank (its results
+    computed after the abort word freed the barriers) raises that rank's error and releases the
+    graphs; one that returns with no rank named returns."""
+    from samebits.engine.executor import RankFailedError, Ranks
+    ranks = object.__new__(Ranks)  # no processes: only what ``guard`` reads
+    ranks.failure, ranks.closing, released = None, False, []
+    ranks._release_graphs = lambda: released.append(True)
+    with ranks.guard():
+        pass
+    assert not released
+    with pytest.raises(RankFailedError, match="rank 1"), ranks.guard():
+        ranks.failure = "tensor-parallel rank 1 (pid 7) was killed by signal 9"
+    assert released == [True]
 
 
 def test_a_llamas_row_parallel_layers_take_alternating_rings_in_forward_order(tmp_path):
