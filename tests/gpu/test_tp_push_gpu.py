@@ -20,13 +20,18 @@ What the tests prove:
   standard mode's all-reduce gives other logprobs than the invariant push.
 - Ranks whose ``SAMEBITS_TP_PUSH`` differ both take the agreement on the level and connect
   (within 120 s): both gather where one is off, both copy (unfused) at 1 and 2.
+- A rank killed mid-generate (each level): ``generate`` raises ``RankFailedError`` naming it
+  within 30 s (the watcher's abort word ends rank 0's push barrier), and a new TP 2 engine then
+  starts in the same process and pushes the gather's bits.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +44,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 from samebits import LLM, SamplingParams, env  # noqa: E402
 from samebits.distributed.group import TPGroup  # noqa: E402
 from samebits.distributed.symmetric import PUSH_MAX_ROWS  # noqa: E402
+from samebits.engine.executor import RankFailedError  # noqa: E402
 from samebits.models.parallel import RowParallelLinear  # noqa: E402
 from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import launcher  # noqa: E402
@@ -218,19 +224,25 @@ OPTIONS = dict(load_format="dummy", device="cuda", dtype="bfloat16", seed=0, max
 KV = {TINY: 1 << 28, QWEN3_8B: 1 << 30}
 
 
-def _generate(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
-              params=PARAMS, **options) -> list[tuple[list[int], list[float]]]:
-    """TP 2's tokens and logprobs with push at level ``push`` (0: off) (and each rank's
-    collectives in ``trace``); the variables are read by both ranks when they connect."""
+def _engine(config: str, push: int, trace: Path | None = None, **options) -> LLM:
+    """A TP 2 engine with push at level ``push`` (0: off) (and each rank's collectives in
+    ``trace``); the variables are read by both ranks when they connect."""
     variables = {"SAMEBITS_TP_PUSH": str(push)} | (
         {"SAMEBITS_TP_TRACE": str(trace)} if trace else {})
     os.environ.update(variables)
     try:
-        llm = LLM(config, tensor_parallel_size=2, kv_cache_memory_bytes=KV[config],
-                  **OPTIONS | options)
+        return LLM(config, tensor_parallel_size=2, kv_cache_memory_bytes=KV[config],
+                   **OPTIONS | options)
     finally:
         for name in variables:
             del os.environ[name]
+
+
+def _generate(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
+              params=PARAMS, **options) -> list[tuple[list[int], list[float]]]:
+    """TP 2's tokens and logprobs with push at level ``push`` (0: off) (and each rank's
+    collectives in ``trace``)."""
+    llm = _engine(config, push, trace, **options)
     try:
         return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
                 for o in llm.generate(prompts, params)]
@@ -333,3 +345,39 @@ def test_ranks_whose_push_variables_differ_agree_and_connect_without_waiting(
     for rank in range(2):
         checks = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert checks == {"exchange": exchange, "fused": fused, "bits": True}
+
+
+@LEVELS
+def test_a_rank_killed_mid_generate_raises_naming_it_within_30s_then_a_new_engine_pushes(level):
+    """Rank 1 killed (SIGKILL) while rank 0 generates on a thread: rank 0's push barrier, which
+    waits for rank 1's signal, returns once the watcher sets the abort word (``TPGroup.abort``),
+    and ``generate`` raises ``RankFailedError`` naming rank 1 within 30 s (torch's symmetric-
+    memory barrier would spin until its 30-minute timeout). The CUDA context survives (no trap),
+    so a new TP 2 engine then starts in this process and its pushed bits are the gather's."""
+    llm = _engine(TINY, push=level)
+    assert llm.engine.runner.group.exchange is not None
+    failed: list[tuple[BaseException, float]] = []
+
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS[:8], SamplingParams(max_tokens=3000, ignore_eos=True))
+        except BaseException as e:  # noqa: BLE001 -- the test reads it
+            failed.append((e, time.monotonic()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(2.0)
+        assert thread.is_alive(), "generate ended before rank 1 was killed"
+        killed = time.monotonic()
+        os.kill(llm.engine.runner.peers.procs[1].pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "generate still runs 30 s after rank 1 was killed"
+    finally:
+        llm.engine.runner.shutdown()
+    assert failed, "generate returned without raising"
+    (error, when), = failed
+    assert isinstance(error, RankFailedError) and "rank 1" in str(error)
+    assert when - killed < 30
+    short = dict(prompts=PROMPTS[:4], params=PARAMS[:4])
+    assert _generate(TINY, push=level, **short) == _generate(TINY, push=0, **short)
