@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -63,11 +61,10 @@ def _device_events(prof) -> list:
             and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("host.", "nccl:"))]
 
 
-def _summary(prof, wall: float, top: int, comm_of: tuple[str, ...] = COMM) -> dict:
-    """GPU seconds (the kernels' durations summed: overlapping kernels count twice), the share
-    of them whose names contain one of ``comm_of``, the device-to-device copies' seconds, the
-    NCCL kernels' duration percentiles, and the ``top`` kernels by time."""
-    events = _device_events(prof)
+def _summary(events: list, wall: float, top: int, comm_of: tuple[str, ...] = COMM) -> dict:
+    """GPU seconds of ``events`` (``_device_events``; durations summed: overlapping kernels count
+    twice), the share of them whose names contain one of ``comm_of``, the device-to-device
+    copies' seconds, the NCCL kernels' duration percentiles, and the ``top`` kernels by time."""
     by_name: dict[str, list] = {}
     for e in events:
         entry = by_name.setdefault(e.name, [0, 0.0])
@@ -140,10 +137,11 @@ def _host_seconds(engine, run) -> dict:
         f"{k}_share": round(v[1] / wall, 3) for k, v in totals.items()}
 
 
-def _idle(prof) -> dict:
-    """The device's busy time (its kernels' union) and idle gaps, charged to the host part
-    running when each began (``samebits.tools.timeline``), in seconds."""
-    kernels = [(e.time_range.start, e.time_range.end) for e in _device_events(prof)]
+def _idle(prof, events: list) -> dict:
+    """The device's busy time (the union of ``events``, ``_device_events``) and idle gaps,
+    charged to the host part running when each began (``samebits.tools.timeline``), in
+    seconds."""
+    kernels = [(e.time_range.start, e.time_range.end) for e in events]
     ranges = [(e.name[len("host."):], e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("host.")]
     report = idle_report(kernels, ranges)
@@ -155,16 +153,6 @@ def _idle(prof) -> dict:
             "idle_s": round(report["idle"] / 1e6, 4),
             "idle_by_host_s_count": seconds(report["idle_by_host"]),
             "idle_by_size_s_count": seconds(report["idle_by_size"])}
-
-
-def _write_trace(prof, path: str) -> None:
-    """The profile as a gzipped Chrome trace at ``path``."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    raw = path[:-len(".gz")]
-    prof.export_chrome_trace(raw)
-    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(raw)
 
 
 def main() -> None:
@@ -196,20 +184,24 @@ def main() -> None:
         prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params, use_tqdm=False)
-        tagged = _around_host_parts(llm.engine, lambda part: record_function(f"host.{part}"))
-        activities = [ACTIVITY] + [ProfilerActivity.CPU] * (args.host_ranges
-                                                             and ACTIVITY != ProfilerActivity.CPU)
+        tagged = contextlib.nullcontext()
+        activities = [ACTIVITY]
+        if args.host_ranges:  # the host parts as ranges, recorded with the host's activity
+            tagged = _around_host_parts(llm.engine, lambda part: record_function(f"host.{part}"))
+            activities = list({ACTIVITY, ProfilerActivity.CPU})
         with profile(activities=activities) as prof, tagged:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             _sync()
             wall = time.perf_counter() - start
-        summary = _summary(prof, wall, args.top, comm_names(args.push, args.tp))
+        events = _device_events(prof)
+        summary = _summary(events, wall, args.top, comm_names(args.push, args.tp))
         print(json.dumps({"tp": args.tp, "push": args.push, "workload": name, "requests": n,
-                          "prompt": prompt, "generated": gen} | summary | _idle(prof)),
+                          "prompt": prompt, "generated": gen} | summary | _idle(prof, events)),
               flush=True)
-        if args.trace:
-            _write_trace(prof, os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))
+        if args.trace:  # torch gzips a path ending in .gz
+            os.makedirs(args.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))
         host = _host_seconds(llm.engine, partial(llm.generate, prompts, params, use_tqdm=False))
         print(json.dumps({"tp": args.tp, "workload": name, "host": host}), flush=True)
     llm.engine.runner.shutdown()

@@ -74,8 +74,7 @@ def idle_report(kernels: Iterable[tuple[float, float]],
             entry = table.setdefault(key, [0.0, 0])
             entry[0] += end - start
             entry[1] += 1
-    span = busy[-1][1] - busy[0][0]
-    return {"busy": sum(e - s for s, e in busy), "span": span,
-            "idle": sum(v[0] for v in by_host.values()),
+    span, total = busy[-1][1] - busy[0][0], sum(e - s for s, e in busy)
+    return {"busy": total, "span": span, "idle": span - total,
             "idle_by_host": {k: {"total": v[0], "count": v[1]} for k, v in by_host.items()},
             "idle_by_size": {k: {"total": v[0], "count": v[1]} for k, v in by_size.items()}}
