@@ -12,7 +12,14 @@ to warm up, then timed), then the seconds its shutdown took (bounded: the ranks 
 told, rank 0 releases its side alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
 1.3x at TP 2.
 The bits agree across sizes where the backend runs the segmented K on one device
-(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared.
+(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push LEVEL ...``: every
+size above 1 runs once per level with ``SAMEBITS_TP_PUSH=LEVEL`` (bare ``--push``: 1; default 0;
+row-parallel sums pushed through symmetric memory, ``samebits.distributed.symmetric``; 2: stored
+into the peer by the GEMM itself, at TP 2), TP 1 once (a push needs peers); then per size and
+workload each level's tok/s as a ratio to the first level listed (``ratio_to_push0`` for
+``--push 0 1 2``) and whether its ``tokens_sha`` is that level's (it must be: the same bits).
+
+    python benchmarks/tensor_parallel.py --tp 2 --push 0 1 2
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
               max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False,
               max_piecewise_tokens=args.max_piecewise_tokens)
     runner = llm.engine.runner
-    print(json.dumps({"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
+    print(json.dumps({"tp": tp, "push": os.environ.get("SAMEBITS_TP_PUSH", ""),
+                      "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
                       "graphs": 0 if runner.graphs is None else len(runner.graphs.graphs),
@@ -91,44 +99,68 @@ def main() -> None:
     p.add_argument("--max-piecewise-tokens", type=int, default=2048,
                    help="the engine's option: prefill and mixed steps of up to this many tokens "
                         "replay piecewise CUDA graphs; 0: eager")
+    p.add_argument("--push", type=int, nargs="*", default=[0], choices=(0, 1, 2),
+                   help="SAMEBITS_TP_PUSH levels, each a run of every size above 1 (bare: 1)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     args = p.parse_args()
+    levels = args.push or [1]
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
         run_size(args, args.one)
         sys.stderr.flush()
         os._exit(0)
     lines: list[dict] = []
     for tp in args.tp:
-        cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
-               "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
-               "--max-piecewise-tokens", str(args.max_piecewise_tokens),
-               "--one", str(tp)]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                                 timeout=args.timeout)
-        except subprocess.TimeoutExpired as e:  # the lines it printed, then the error
-            _print_lines(e.stdout)
-            print(json.dumps({"tp": tp, "error": f"no result within {args.timeout} s",
-                              "stderr": _text(e.stderr)[-2000:]}), flush=True)
-            continue
-        if out.returncode:
-            print(json.dumps({"tp": tp, "error": out.stderr.strip()[-2000:]}), flush=True)
-            continue
-        for line in out.stdout.splitlines():
-            if line.startswith("{"):
-                print(line, flush=True)
-                lines.append(json.loads(line))
-    base = {d["workload"]: d["tok_s"] for d in lines if d.get("tp") == args.tp[0]
-            and "workload" in d}
-    for d in lines:
-        if "workload" in d and d["tp"] != args.tp[0] and d["workload"] in base:
-            print(json.dumps({"workload": d["workload"], "tp": d["tp"],
-                              f"ratio_to_tp{args.tp[0]}": round(d["tok_s"] / base[d["workload"]],
-                                                                3),
-                              "same_tokens": d["tokens_sha"] == next(
-                                  x["tokens_sha"] for x in lines if x.get("tp") == args.tp[0]
-                                  and x.get("workload") == d["workload"])}), flush=True)
+        for level in levels if tp > 1 else levels[:1]:
+            lines += _run_child(args, tp, level)
+    first = str(levels[0])
+    for d in (x for x in lines if "workload" in x):
+        if d["push"] == first and d["tp"] != args.tp[0]:  # against the first size
+            _ratio(d, _match(lines, d, tp=args.tp[0]), f"ratio_to_tp{args.tp[0]}")
+        elif d["push"] != first:  # against the first level, same size
+            _ratio(d, _match(lines, d, tp=d["tp"], push=first), f"ratio_to_push{first}")
 
+
+def _run_child(args: argparse.Namespace, tp: int, level: int) -> list[dict]:
+    """One size at one push level in a process of its own (its ranks inherit
+    ``SAMEBITS_TP_PUSH``): its JSON lines, printed as they come, each with its ``push``."""
+    cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+           "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
+           "--max-piecewise-tokens", str(args.max_piecewise_tokens),
+           "--one", str(tp)]
+    env = {**os.environ, "SAMEBITS_TP_PUSH": str(level)}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                             timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired as e:  # the lines it printed, then the error
+        _print_lines(e.stdout)
+        print(json.dumps({"tp": tp, "push": level, "error": f"no result within {args.timeout} s",
+                          "stderr": _text(e.stderr)[-2000:]}), flush=True)
+        return []
+    if out.returncode:
+        print(json.dumps({"tp": tp, "push": level, "error": out.stderr.strip()[-2000:]}),
+              flush=True)
+        return []
+    lines = []
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            print(line, flush=True)
+            lines.append({**json.loads(line), "push": str(level)})
+    return lines
+
+
+def _match(lines: list[dict], d: dict, **fields: object) -> dict | None:
+    """The line of ``d``'s workload whose ``fields`` are these."""
+    return next((x for x in lines if x.get("workload") == d["workload"]
+                 and all(x.get(k) == v for k, v in fields.items())), None)
+
+
+def _ratio(d: dict, ref: dict | None, name: str) -> None:
+    """``d``'s tok/s as a ratio to ``ref``'s (the same workload) and whether their tokens
+    match; nothing where ``ref`` did not run."""
+    if ref is not None:
+        print(json.dumps({"workload": d["workload"], "tp": d["tp"], "push": d["push"],
+                          name: round(d["tok_s"] / ref["tok_s"], 3),
+                          "same_tokens": d["tokens_sha"] == ref["tokens_sha"]}), flush=True)
 
 if __name__ == "__main__":
     main()

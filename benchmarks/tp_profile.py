@@ -11,6 +11,14 @@ host part running when each began (``idle_by_host_s_count``: the forward's launc
 replay, sampling, ...; ``outside`` between parts, or everything without the flag).
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
+
+``--push [LEVEL]``: every rank runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; the row-parallel
+sums pushed through symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and
+peer copies count as communication too: the profiler names a level-1 peer copy "Memcpy DtoD", so
+where the exchange copies (level 1, or 2 above two ranks) every device-to-device copy counts as
+communication, and each line reports ``memcpy_dtod_s`` alone (level 0's is the steps' own
+copies, which that count then includes too); at 2 with two ranks the GEMM's own stores into the
+peer count as the GEMM.
 """
 
 from __future__ import annotations
@@ -30,6 +38,15 @@ from samebits.tools.timeline import idle_report
 
 WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1),
              "batch": (64, 1024, 256)}  # tensor_parallel.py's batch workload
+# device work that counts as communication: NCCL's kernels; the push's barrier and peer copies
+COMM = ("nccl", "barrier_kernel", "memcpy ptop")
+DTOD = "memcpy dtod"  # how the profiler names a copy into a peer's mapped buffer
+
+
+def comm_names(push: int, tp: int) -> tuple[str, ...]:
+    """What counts as communication at push level ``push`` with ``tp`` ranks: ``COMM``, and
+    device-to-device copies where the exchange copies (level 1, or 2 above two ranks)."""
+    return COMM + (DTOD,) if push == 1 or (push == 2 and tp > 2) else COMM
 
 
 def _sync() -> None:
@@ -44,17 +61,18 @@ def _device_events(prof) -> list:
             and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("host.", "nccl:"))]
 
 
-def _summary(events: list, wall: float, top: int) -> dict:
-    """GPU seconds of ``events`` (``_device_events``; durations summed: overlapping kernels
-    count twice), the NCCL share of them and their duration percentiles, and the ``top`` kernels
-    by time."""
+def _summary(events: list, wall: float, top: int, comm_of: tuple[str, ...] = COMM) -> dict:
+    """GPU seconds of ``events`` (``_device_events``; durations summed: overlapping kernels count
+    twice), the share of them whose names contain one of ``comm_of``, the device-to-device
+    copies' seconds, the NCCL kernels' duration percentiles, and the ``top`` kernels by time."""
     by_name: dict[str, list] = {}
     for e in events:
         entry = by_name.setdefault(e.name, [0, 0.0])
         entry[0] += 1
         entry[1] += e.time_range.elapsed_us()
     total = sum(v[1] for v in by_name.values()) / 1e6
-    comm = sum(v[1] for k, v in by_name.items() if "nccl" in k.lower()) / 1e6
+    comm = sum(v[1] for k, v in by_name.items() if any(c in k.lower() for c in comm_of)) / 1e6
+    dtod = sum(v[1] for k, v in by_name.items() if DTOD in k.lower()) / 1e6
     nccl = sorted(e.time_range.elapsed_us() for e in events if "nccl" in e.name.lower())
     pct = {f"p{q}": round(nccl[min(len(nccl) - 1, len(nccl) * q // 100)], 1)
            for q in (0, 10, 50, 90, 99)} if nccl else {}
@@ -62,6 +80,7 @@ def _summary(events: list, wall: float, top: int) -> dict:
     return {"nccl_kernel_us": pct, "wall_s": round(wall, 4), "gpu_s": round(total, 4),
             "gpu_busy_share": round(total / wall, 3),
             "comm_share_of_gpu": round(comm / total, 3) if total else None,
+            "memcpy_dtod_s": round(dtod, 4),
             "top": [(k[:70], v[0], round(v[1] / 1e3, 2)) for k, v in rows]}
 
 
@@ -150,7 +169,12 @@ def main() -> None:
                         "trace (<workload>_tp<N>.json.gz)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
+    p.add_argument("--push", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+                   help="SAMEBITS_TP_PUSH on every rank, inherited by the spawned ranks "
+                        "(--push: 1)")
     args = p.parse_args()
+    if args.push:
+        os.environ["SAMEBITS_TP_PUSH"] = str(args.push)
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
@@ -171,9 +195,10 @@ def main() -> None:
             _sync()
             wall = time.perf_counter() - start
         events = _device_events(prof)
-        print(json.dumps({"tp": args.tp, "workload": name, "requests": n, "prompt": prompt,
-                          "generated": gen} | _summary(events, wall, args.top)
-                         | _idle(prof, events)), flush=True)
+        summary = _summary(events, wall, args.top, comm_names(args.push, args.tp))
+        print(json.dumps({"tp": args.tp, "push": args.push, "workload": name, "requests": n,
+                          "prompt": prompt, "generated": gen} | summary | _idle(prof, events)),
+              flush=True)
         if args.trace:  # torch gzips a path ending in .gz
             os.makedirs(args.trace, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.trace, f"{name}_tp{args.tp}.json.gz"))

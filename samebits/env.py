@@ -69,3 +69,28 @@ def tp_trace_dir() -> Path | None:
     (off) when unset or empty."""
     raw = os.environ.get("SAMEBITS_TP_TRACE")
     return Path(raw).expanduser() if raw else None
+
+
+def tp_push() -> int:
+    """SAMEBITS_TP_PUSH=0|1|2 (default 0): CUDA ranks exchange their row-parallel layers' fp32
+    sums by writing them into each other's symmetric-memory buffer and meeting at a device-side
+    barrier (``samebits.distributed.symmetric``) instead of NCCL's gather: the same values in
+    the same slots, so the same bits. 1: the GEMM writes this rank's slot, a copy sends it to the
+    peers; 2: with two ranks the GEMM's kernel stores each tile into the peer's slot too (no
+    copy; more ranks copy as 1). ``true``/``false`` read as 1/0. Read by every rank when it
+    connects."""
+    raw = os.environ.get("SAMEBITS_TP_PUSH", "")
+    if raw.strip() == "2":
+        return 2
+    try:
+        return int(_bool("SAMEBITS_TP_PUSH", False))
+    except ValueError:
+        raise ValueError(f"SAMEBITS_TP_PUSH={raw!r}: expected 0, 1 or 2") from None
+
+
+def keep_torch_multicast_off() -> None:
+    """The one variable samebits sets, for torch, before allocating symmetric memory:
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set. samebits never uses NVLink multicast
+    (its pushes are plain copies to the peer's buffer), so the rendezvous need not create a
+    multicast object, and torch's barrier then takes its signal-pad kernel."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -13,6 +13,15 @@ order is the library's) serves only the standard mode. Control messages (``broad
 ``MessageQueue`` instead -- a write and a poll, no round trip --, and only a message too large for
 one of its slots through gloo.
 
+``push_slot`` / ``push``: with ``SAMEBITS_TP_PUSH=1`` or 2 on CUDA, a row-parallel layer's fp32
+sums reach every rank through symmetric memory -- written into each peer's buffer (copied, or at
+2 with two ranks stored there by the GEMM itself: ``push_peer_slot``), then a device-side
+barrier that ``abort`` ends too -- instead of ``all_gather``, the same values in the same [N, T, H] slots
+(``samebits.distributed.symmetric``: the buffers, their ring of two and why every rank takes the
+same path). ``connect`` opens that exchange after its check, for the widest row a layer
+``reserve_push``'d; rows above its capacity, and every group where it is off or failed to open,
+take the gather.
+
 Leaving the group is never collective, and comes after the CUDA graphs are gone: NCCL's abort,
 finalize and destroy of a communicator all wait until every graph that captured one of its
 collectives is destroyed. Ranks 1..N-1 drop their graphs, wait for their device and exit without
@@ -39,6 +48,7 @@ import torch.distributed as dist
 
 from samebits import env
 from samebits.distributed.message_queue import MessageQueue
+from samebits.distributed.symmetric import RINGS, PushExchange, open_exchange, push_rows, takes_push
 
 log = logging.getLogger("samebits.engine")
 
@@ -63,12 +73,19 @@ class TPGroup:
         self.lock = threading.Lock()  # held by whatever aborts or releases the group: one at a time
         self.trace: TextIO | None = None  # SAMEBITS_TP_TRACE: this rank's collectives, in order
         self.queue: MessageQueue | None = None  # carries ``broadcast_object`` when attached
+        self.push_width = 0  # the widest fp32 row a layer pushes (``reserve_push``)
+        self.push_layers = 0  # layers that reserved one: the next one's ring is this mod RINGS
+        self.exchange: PushExchange | None = None  # opened by ``connect`` where push is on
+        # the ring of the last push since the last NCCL gather or all-reduce (None: none since)
+        self.last_ring: int | None = None
 
-    def connect(self, init_method: str) -> None:
+    def connect(self, init_method: str, max_batched_tokens: int | None = None) -> None:
         """Join the process group (every rank calls this with the same ``init_method``), then
         check it: a gather on the device and a reduction over the control group, so both
         backends have connected here (NCCL's communicator too, before any forward or graph
-        capture) and a wrong device or a broken transport fails now, not in a step."""
+        capture) and a wrong device or a broken transport fails now, not in a step. The push
+        exchange, where opened, holds the rows of ``max_batched_tokens`` (the engine's
+        ``max_num_batched_tokens``) up to ``PUSH_MAX_ROWS``."""
         if self.world_size == 1 or self.connected:
             return
         check_free()
@@ -84,6 +101,37 @@ class TPGroup:
         if ranks != list(range(self.world_size)) or self.min_int(self.rank) != 0:
             raise RuntimeError(f"tensor-parallel group check failed on rank {self.rank}: the "
                                f"ranks gathered {ranks}")
+        self.exchange = open_exchange(self, self.push_width, push_rows(max_batched_tokens))
+
+    def reserve_push(self, width: int) -> int:
+        """A row-parallel layer's ring for its pushes, rings alternating in the order layers are
+        built (a forward's order), and room for its rows of ``width`` fp32 values (layers ask
+        when built, before ``connect`` allocates the buffers)."""
+        self.push_width = max(self.push_width, width)
+        self.push_layers += 1
+        return (self.push_layers - 1) % RINGS
+
+    def push_slot(self, ring: int, rows: int, width: int) -> torch.Tensor | None:
+        """This rank's flat [rows * width] fp32 slot in ring ``ring``, for the layer to write its
+        sum into before ``push``; None where the layer gathers instead (``takes_push``: the same
+        answer on every rank for the same layer and step)."""
+        if not takes_push(self.exchange, ring, self.last_ring, rows, width):
+            return None
+        return self.exchange.slot(ring, rows, width)
+
+    def push_peer_slot(self, ring: int, rows: int, width: int) -> torch.Tensor | None:
+        """After ``push_slot`` gave a slot: the peer's flat slot for the same sum (mapped here)
+        where the exchange is fused (``SAMEBITS_TP_PUSH=2``, two ranks): the kernel that writes
+        the slot writes it too (``linear_sum``'s ``peer_out``) and ``push`` copies nothing; None
+        where ``push`` copies."""
+        return self.exchange.peer_slot(ring, rows, width)
+
+    def push(self, ring: int, rows: int, width: int) -> torch.Tensor:
+        """[N, rows, width] fp32: every rank's slot of ring ``ring`` (written since
+        ``push_slot``) in rank order -- ``all_gather``'s values, through symmetric memory."""
+        self._record("push", self.exchange.slot(ring, rows, width).view(rows, width))
+        self.last_ring = ring
+        return self.exchange.exchange(ring, rows, width)
 
     @property
     def backend(self) -> str:
@@ -99,6 +147,7 @@ class TPGroup:
         if self.world_size == 1:
             return x
         self._record("all_gather", x)
+        self.last_ring = None  # every rank reaches it after its earlier reads: a barrier
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
                           device=x.device)
         _ALL_GATHER(out, x.contiguous())
@@ -121,6 +170,7 @@ class TPGroup:
         """The library's all-reduce (its own order): the standard mode's row-parallel sum."""
         if self.world_size > 1:
             self._record("all_reduce_sum", x)
+            self.last_ring = None  # as ``all_gather``: a barrier
             dist.all_reduce(x)
         return x
 
@@ -171,10 +221,15 @@ class TPGroup:
 
     def abort(self) -> None:
         """Make collectives that wait for a dead peer fail instead of waiting (NCCL; gloo's fail
-        by themselves when a peer's connection closes). Blocks its caller (the driver's watcher
+        by themselves when a peer's connection closes), and the push exchange's barriers return
+        (``PushExchange.abort``: a host write, first, so a barrier spinning on the dead peer
+        lets the stream reach NCCL's collectives). Blocks its caller (the driver's watcher
         thread) until the graphs that captured the group's collectives are released."""
         if not (self.connected and self.device.type == "cuda"):
             return
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.abort()
         with self.lock:
             backend = dist.distributed_c10d._get_default_group()._get_backend(self.device)
             abort = getattr(backend, "abort", None)
@@ -190,6 +245,7 @@ class TPGroup:
         or did not return: it is logged, and ``connect`` refuses while it is still running."""
         if not self.connected:
             return True
+        held = [self.exchange]  # freed in ``release``: freeing symmetric memory synchronizes
         self._left()
         device = self.device
 
@@ -200,6 +256,7 @@ class TPGroup:
                     if synchronize:
                         torch.cuda.synchronize(device)
                 _release_process_group(device.type)
+                held.clear()
 
         seconds = RELEASE_TIMEOUT_S if timeout is None else timeout
         released, thread = run_bounded(release, seconds, "releasing the process group")
@@ -212,7 +269,7 @@ class TPGroup:
         return released
 
     def _left(self) -> None:
-        self.connected, self.cpu_group = False, None
+        self.connected, self.cpu_group, self.exchange, self.last_ring = False, None, None, None
         if self.trace is not None:
             self.trace.close()
             self.trace = None

@@ -79,7 +79,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         ranks.wait_ready()
         log.info("tensor parallel: %d ranks loaded their shards in %.1f s", ranks.world,
                  time.perf_counter() - start)
-        group.connect(ranks.init_method)
+        group.connect(ranks.init_method, config.max_num_batched_tokens)
         ranks.watch()
         log.info("tensor parallel: process group connected (%s)", group.backend)
         with ranks.guard():
@@ -219,9 +219,12 @@ class Ranks:
     def guard(self) -> Iterator[None]:
         """An exception while the ranks work (a collective whose peer died) becomes the dead
         rank's ``RankFailedError`` once the watcher has named it; the engine cannot run again,
-        so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that)."""
+        so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that). A body
+        that returns once the watcher has named a dead rank raises it too: after the group's
+        abort its results are garbage (``TPGroup.abort`` ends the push barriers)."""
         try:
             yield
+            self._check_failure()
         except RankFailedError:
             self._release_graphs()
             raise

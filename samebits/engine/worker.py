@@ -59,7 +59,7 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, queue: QueueHan
     log.info("tensor-parallel rank %d: loaded its shard in %.1f s", rank,
              time.perf_counter() - start)
     try:
-        group.connect(init_method)
+        group.connect(init_method, config.max_num_batched_tokens)
         runner = ModelRunner(loaded, config)
         log.info("tensor-parallel rank %d: %d KV blocks, %d CUDA graphs; serving", rank,
                  runner.num_blocks, 0 if runner.graphs is None else len(runner.graphs.graphs))

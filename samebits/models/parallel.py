@@ -19,6 +19,10 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   A layer built ``into_norm`` (its output goes straight into the decoder's residual add +
   RMSNorm: o_proj, a decoder MLP's down_proj) hands that norm the gathered sums unsummed, a
   ``PendingRankSum``, where the backend sums them there (``sums_in_norm``) and there is no bias.
+  The ranks' sums travel by NCCL's gather, or -- ``SAMEBITS_TP_PUSH=1`` on CUDA -- each rank's
+  GEMM writes its sum straight into its slot of a symmetric-memory buffer that is then copied
+  to its peers' (``TPGroup.push_slot`` / ``push``), or -- 2, two ranks -- into its own slot and
+  the peer's at once (``push_peer_slot``): the same values in the same slots.
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
 
@@ -154,6 +158,9 @@ class RowParallelLinear(nn.Module):
         self.k_bounds: KBounds | None = spec.local_bounds()
         # this rank's segments are a subtree of the S-partial tree: it gathers one sum, not S/N
         self.local_subtree = rank_blocks_are_subtrees(segments, group.world_size)
+        # the group's ring this layer pushes its sum through (``TPGroup.reserve_push``)
+        self.ring = (group.reserve_push(output_size)
+                     if self.local_subtree and group.world_size > 1 else 0)
 
     def segments(self, ops: OpBackend) -> KBounds | None:
         """The K segments in force: the backend's choice on one device; under tensor parallel
@@ -178,14 +185,34 @@ class RowParallelLinear(nn.Module):
         or, ``into_norm`` without a bias on a backend that ``sums_in_norm``, the norm does:
         what was gathered is returned as a ``PendingRankSum``."""
         if self.local_subtree:
-            mine = ops.linear_sum(x, self.weight, self.k_bounds)
-            every = self.group.all_gather(mine.unsqueeze(0))  # [N, ..., H]
+            every = self.rank_sums(ops, x)  # [N, ..., H]
         else:
             every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
         if self.into_norm and self.bias is None and ops.sums_in_norm:
             return PendingRankSum(every, x.dtype)
         out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
         return out if self.bias is None else out + self.bias
+
+    def rank_sums(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
+        """[N, ..., H] fp32: every rank's ``linear_sum`` of its own segments, in rank order --
+        written by the GEMM into this rank's slot (and, fused, the peer's) and pushed where the
+        group takes the push (``push_slot``: the same choice on every rank), else gathered by
+        NCCL. A pushed result is a view of the group's ring, valid only until this rank's next
+        push barrier (``samebits.distributed.symmetric``, invariants): every reader of it (the
+        next norm, ``sum_tree``, ``resolved``) must run before the next row-parallel layer
+        pushes -- a caller that held o_proj's result while down_proj pushed would race -- and
+        every kernel launched programmatically calls ``wait_for_inputs`` before it loads or
+        stores activations, so the barrier's completion orders the GEMM's stores before it and
+        the readers after it."""
+        lead, h = x.shape[:-1], self.weight.shape[0]
+        slot = self.group.push_slot(self.ring, lead.numel(), h)
+        if slot is None:
+            return self.group.all_gather(ops.linear_sum(x, self.weight, self.k_bounds)
+                                         .unsqueeze(0))
+        peer = self.group.push_peer_slot(self.ring, lead.numel(), h)
+        ops.linear_sum(x, self.weight, self.k_bounds, out=slot.view(*lead, h),
+                       peer_out=None if peer is None else peer.view(*lead, h))
+        return self.group.push(self.ring, lead.numel(), h).view(-1, *lead, h)
 
 
 class VocabParallelEmbedding(nn.Module):

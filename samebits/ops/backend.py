@@ -96,9 +96,14 @@ class OpBackend(Protocol):
         ``linear(x, w, k_bounds=k_bounds)`` adds in ``tree_sum``'s order."""
         ...
 
-    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+                   out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """[..., N] in the accumulation dtype: the bits of ``tree_sum(linear_partials(x, w,
-        k_bounds))``, uncast (a tensor-parallel rank's sum of its own segments)."""
+        k_bounds))``, uncast (a tensor-parallel rank's sum of its own segments). ``out``: a
+        contiguous tensor of that shape and dtype on x's device that receives those bits and is
+        returned (``check_sum_out``): a rank's slot of a buffer its peers read. ``peer_out``:
+        another such tensor that receives the same bits (a peer's slot, mapped here)."""
         ...
 
     def sum_tree(self, partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -241,6 +246,19 @@ def check_k_bounds(k_bounds: KBounds, k: int) -> None:
             or any(hi != nxt for (_, hi), nxt in zip(k_bounds[:-1], edges[1:], strict=True))
             or any(hi <= lo for lo, hi in k_bounds)):
         raise ValueError(f"k_bounds {k_bounds} do not tile [0, {k})")
+
+
+def check_sum_out(out: torch.Tensor, x: torch.Tensor, n: int, dtype: torch.dtype,
+                  name: str = "out") -> None:
+    """Raise, naming what differs, unless ``out`` (the argument ``name``) can receive
+    ``linear_sum(x, w)``'s [..., n] ``dtype`` result as it is written: that shape and dtype, on
+    x's device, contiguous."""
+    shape = (*x.shape[:-1], n)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
+        raise ValueError(f"linear_sum: {name} is {tuple(out.shape)} {out.dtype} on "
+                         f"{out.device}; expected {shape} {dtype} on {x.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"linear_sum: {name} must be contiguous (strides {out.stride()})")
 
 
 def tree_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from samebits.ops.backend import (
     AttentionMetadata,
     KBounds,
     check_k_bounds,
+    check_sum_out,
     norm_with_residual,
     register,
     sum_tree,
@@ -65,15 +66,24 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torc
     return _partials(x2, w, k_bounds).reshape(len(k_bounds), *lead, w.shape[0])
 
 
-def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+               out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """[..., N] in the compute dtype, uncast: the segments' chains tree-summed in the kernel
-    (``linear``'s segmented sum; the bits of ``tree_sum(linear_partials(...))``)."""
+    (``linear``'s segmented sum; the bits of ``tree_sum(linear_partials(...))``); copied into
+    ``out`` and ``peer_out`` when given (``check_sum_out``)."""
     *lead, k = x.shape
     n, cdt = w.shape[0], _compute_dtype(x.dtype)
     check_k_bounds(k_bounds, k)
+    for name, t in (("out", out), ("peer_out", peer_out)):
+        if t is not None:
+            check_sum_out(t, x, n, cdt, name)
     x2 = x.reshape(-1, k).to(cdt).contiguous()
-    out = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n, [lo for lo, _ in k_bounds] + [k])
-    return out.reshape(*lead, n)
+    total = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n,
+                               [lo for lo, _ in k_bounds] + [k]).reshape(*lead, n)
+    if peer_out is not None:
+        peer_out.copy_(total)
+    return total if out is None else out.copy_(total)
 
 
 def _partials(x2: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:

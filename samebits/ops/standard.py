@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import rope
-from samebits.ops.backend import AttentionMetadata, KBounds, norm_with_residual, register, sum_tree, tree_sum
+from samebits.ops.backend import (
+    AttentionMetadata,
+    KBounds,
+    check_sum_out,
+    norm_with_residual,
+    register,
+    sum_tree,
+    tree_sum,
+)
 from samebits.ops.encoder import StandardEncoderOps
 
 
@@ -34,9 +42,19 @@ class StandardBackend(StandardEncoderOps):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         return torch.stack([F.linear(x[..., lo:hi], w[:, lo:hi]).to(acc) for lo, hi in k_bounds])
 
-    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
-        """``tree_sum`` of ``linear_partials``."""
-        return tree_sum(self.linear_partials(x, w, k_bounds))
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+                   out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """``tree_sum`` of ``linear_partials``; copied into ``out`` and ``peer_out`` when given
+        (``check_sum_out``), as the reference backend does."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        for name, t in (("out", out), ("peer_out", peer_out)):
+            if t is not None:
+                check_sum_out(t, x, w.shape[0], acc, name)
+        total = tree_sum(self.linear_partials(x, w, k_bounds))
+        if peer_out is not None:
+            peer_out.copy_(total)
+        return total if out is None else out.copy_(total)
 
     sum_tree = staticmethod(sum_tree)
 

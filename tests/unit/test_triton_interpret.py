@@ -179,12 +179,12 @@ def test_sum_partials_kernel_is_tree_sum(segs) -> None:
     parts = torch.randn(segs, mn, generator=g) * torch.logspace(0, 2, mn)
     b = torch.randn(n, generator=g).half()
     out = torch.empty(mn, dtype=torch.half)
-    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, out, mn, n, segs, True, block,
-                                                        False)
+    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, out, None, mn, n, segs, True,
+                                                        block, False, False)
     assert torch.equal(out, (tree_sum(parts) + b.float().repeat(mn // n)).half())
     plain = torch.empty(mn)
-    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, plain, mn, n, segs, False, block,
-                                                        False)
+    K._sum_partials_kernel[(triton.cdiv(mn, block),)](parts, b, plain, None, mn, n, segs, False,
+                                                        block, False, False)
     assert torch.equal(plain, tree_sum(parts))
     if segs >= 4:  # negative control: the chain ((p0 + p1) + p2) ... is another sum
         chain = parts[0].clone()

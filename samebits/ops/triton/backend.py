@@ -60,9 +60,13 @@ class TritonBackend(InvariantEncoderOps):
                         ) -> torch.Tensor:
         return linear.partials(x, w, k_bounds)
 
-    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
-        """The GEMM's partials, then the tree sum kernel into fp32 (two launches)."""
-        return linear.linear_sum(x, w, k_bounds)
+    def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+                   out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The segments tree-summed in fp32 (linear.py's schedules), written into ``out`` and
+        ``peer_out`` when given (the kernel that stores the sum stores each tile into both:
+        no copy)."""
+        return linear.linear_sum(x, w, k_bounds, out, peer_out)
 
     def sum_tree(self, partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """One tree sum kernel launch (power-of-two counts), else torch."""

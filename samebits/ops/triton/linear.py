@@ -32,6 +32,13 @@ tests/gpu/test_linear_bits.py). With one segment, rows above 64 take ``_linear_t
 adds the partials in registers in the same tree order, casts and stores once -- the same bits as
 the split schedule, without the [S, M, N] buffer and the sum kernel; other segmented products take
 the split schedule.
+
+A second output (``linear_sum``'s ``peer_out``: a tensor-parallel peer's slot, mapped here): the
+kernel that stores the final fp32 values -- the split program's one partial, the fused tree's
+program, ``_sum_partials_kernel``, ``_segmented_tma_kernel`` (plain masked stores beside its TMA
+store; its tile's shared memory budgets the layout conversion they take) -- stores each tile's
+same registers there too (``HAS_PEER``); torch's tree sum copies its result into both. Without
+it ``peer_ptr`` is None, a constexpr, and each kernel compiles as it did without the parameter.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, tree_sum
+from samebits.ops.backend import KBounds, check_sum_out, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 from samebits.ops.triton.linear_tiles import (
@@ -92,28 +99,44 @@ def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tenso
     return _fp32_product(x, w, SegmentLayout.from_bounds(k_bounds, x.shape[-1]), keep=True)
 
 
-def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
+               out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """[..., N] fp32: ``tree_sum(partials(x, w, k_bounds))``, uncast (a tensor-parallel rank's
     sum of its own segments), in the schedule ``run`` picks (the partials tree-summed in
-    registers, or written and summed by ``_sum_partials_kernel``)."""
+    registers, or written and summed by ``_sum_partials_kernel``). ``out``: a contiguous fp32
+    [..., N] tensor on x's device the kernels store into (``check_sum_out``), returned.
+    ``peer_out``: another such tensor (a peer's slot, mapped on this device) into which the
+    kernel that stores the sum stores each tile's same values again, as it goes."""
     layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
+    for name, t in (("out", out), ("peer_out", peer_out)):
+        if t is not None:
+            check_sum_out(t, x, w.shape[0], torch.float32, name)
     if layout.count == 1:  # the one partial, by the split schedule's program
-        return _fp32_product(x, w, layout, keep=True)[0]
-    return _fp32_product(x, w, layout, keep=False)
+        return _fp32_product(x, w, layout, keep=True, out=out, peer=peer_out)[0]
+    return _fp32_product(x, w, layout, keep=False, out=out, peer=peer_out)
 
 
-def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool
+def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool,
+                  out: torch.Tensor | None = None, peer: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """x [..., K] @ w.T over ``layout``'s segments in fp32: [S, ..., N] partials (``keep``), or
-    their tree sum [..., N]."""
+    their tree sum [..., N]; into ``out`` (contiguous, [S, ..., N] or [..., N]: its elements in
+    that order) when given, else a new tensor; the same values into ``peer`` (laid out as
+    ``out``) when given."""
     *lead, k = x.shape
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     parts = (layout.count,) if keep else ()
-    out = x2.new_empty(*parts, m, n, dtype=torch.float32)
+    if out is None:
+        out = x2.new_empty(*parts, m, n, dtype=torch.float32)
+    else:
+        out = out.view(*parts, m, n)
+    if peer is not None:
+        peer = peer.view(*parts, m, n)
     if m and n:
-        run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout)
+        run(x2, w, None, out, segmented_config(m, n, k, x.dtype, layout), layout, peer)
     return out.reshape(*parts, *lead, n)
 
 
@@ -132,15 +155,19 @@ def sum_tree(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         pp, po = parts.data_ptr(), out.data_ptr()
         p = _sum_plan(mn, parts.shape[-1], segs, dtype, None, programmatic(parts),
                       alignment(pp & 15, pp & 15, po & 15))
-        _SUM_PARTIALS(p.key, p.grid, parts, parts, out, *p.tail, **p.options)  # parts: no bias
+        _SUM_PARTIALS(p.key, p.grid, parts, parts, out, None, *p.tail,  # parts: no bias
+                      **p.options)
     return out
 
 
 def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None) -> None:
+        cfg: GemmConfig | None = None, segments: int | SegmentLayout | None = None,
+        peer: torch.Tensor | None = None) -> None:
     """Launch with an explicit tile config and segments (a count of uniform segments, or a
     layout; by default ``pick_config`` and ``num_segments``); benchmarks sweep these. ``out``
-    [S, M, N] fp32 and no bias: the partials are left unsummed there."""
+    [S, M, N] fp32 and no bias: the partials are left unsummed there. ``peer``: a tensor of
+    out's shape, strides, dtype and device that receives out's values too, stored by the kernel
+    that stores out's (``_Plan.peer``, ``_SumPlan.peer``) from the same registers."""
     m, k = x.shape
     n = w.shape[0]
     contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
@@ -153,37 +180,57 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     if w.get_device() != device or bias.get_device() != device or out.get_device() != device:
         raise ValueError(f"linear: x is on {x.device}, w on {w.device}, out on {out.device}"
                          + ("" if b is None else f", b on {b.device}"))
+    _check_peer(peer, out)
     px, pw, pb, po = x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr()
+    pp = None if peer is None else peer.data_ptr()
     p = _plan(m, n, k, x.dtype, w.dtype, out.dtype, out.dim() == 3,
               None if b is None else b.dtype, x.stride(0), w.stride(0), out.stride(-2), cfg,
-              segments, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous)
-    if p.tma or p.seg_tma:
-        _run_tma(p, x, w, bias, out, (px, pw, po) + (() if p.seg_tma else (pb,)), device)
+              segments, programmatic(x), (px & 15, pw & 15, pb & 15, po & 15), contiguous,
+              None if pp is None else pp & 15)
+    if p.tma or p.seg_tma:  # after the descriptors: the segmented kernel's peer, else the bias
+        after = (peer, pp) if p.seg_tma else (bias, pb)
+        _run_tma(p, x, w, after[0], out, (px, pw, po, after[1]), device)
         return
     target, pt = out, po
     if p.partials:
         target = x.new_empty(p.partials, m, n, dtype=torch.float32)
         pt = target.data_ptr()
+    gemm_peer, gemm_pp = (peer, pp) if p.peer else (None, None)
     direct = _LINEAR.direct(p.key, device)
     if direct is not None:
-        direct(p.grid, (px, pw, pb, pt, *p.tail))
+        direct(p.grid, (px, pw, pb, pt, gemm_pp, *p.tail))
     else:
-        _LINEAR(p.key, p.grid, x, w, bias, target, *p.tail, **p.options)
+        _LINEAR(p.key, p.grid, x, w, bias, target, gemm_peer, *p.tail, **p.options)
     if p.partials and p.sum is None:  # a segment count the tree kernel does not take
         total = tree_sum(target)
-        out.copy_(total if b is None else total + b.float())
+        total = total if b is None else total + b.float()
+        for dest in (out, peer):
+            if dest is not None:
+                dest.copy_(total)
     elif p.partials:
-        _SUM_PARTIALS(p.sum.key, p.sum.grid, target, bias, out, *p.sum.tail, **p.sum.options)
+        _SUM_PARTIALS(p.sum.key, p.sum.grid, target, bias, out, peer, *p.sum.tail,
+                      **p.sum.options)
 
 
-def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-             out: torch.Tensor, ptrs: tuple[int, ...], device: int) -> None:
-    """The persistent TMA launch of plan ``p`` (``_linear_tma_kernel``, or with ``bias`` None
-    ``_segmented_tma_kernel``); ``ptrs``: the data pointers of x, w, out (and the bias). The C
-    launcher's arguments (the tensor maps of x, w and out encoded) are built once per (kernel,
-    plan, addresses)."""
+def _check_peer(peer: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Raise, naming what differs, unless ``peer`` is None or laid out as ``out``."""
+    if peer is None:
+        return
+    if (peer.shape != out.shape or peer.stride() != out.stride() or peer.dtype != out.dtype
+            or peer.device != out.device):
+        raise ValueError(f"linear: peer {tuple(peer.shape)} strides {peer.stride()} "
+                         f"{peer.dtype} on {peer.device}; out {tuple(out.shape)} strides "
+                         f"{out.stride()} {out.dtype} on {out.device}")
+
+
+def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, after: torch.Tensor | None,
+             out: torch.Tensor, ptrs: tuple[int | None, ...], device: int) -> None:
+    """The persistent TMA launch of plan ``p`` (``_linear_tma_kernel``, or
+    ``_segmented_tma_kernel``); ``after``: the tensor parameter after the descriptors (the
+    former's bias, the latter's peer output or None); ``ptrs``: the data pointers of x, w, out
+    and ``after`` (None for None). The C launcher's arguments (the tensor maps of x, w and out
+    encoded) are built once per (kernel, plan, addresses)."""
     launcher = _SEG_TMA if p.seg_tma else _TMA
-    extra = () if p.seg_tma else (bias,)
     (bm, bk), (bn, _) = p.blocks
 
     def descriptors() -> tuple[Descriptor, ...]:
@@ -191,7 +238,7 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
 
     direct = launcher.direct(p.key, device)
     if direct is None:
-        launcher(p.key, p.grid, *descriptors(), *extra, *p.tail, **p.options)
+        launcher(p.key, p.grid, *descriptors(), after, *p.tail, **p.options)
         return
     where = (launcher, p.key, p.tail[0], *ptrs)  # the key and M fix shapes, strides and blocks
     args = _TMA_ARGS.get(where)
@@ -205,12 +252,14 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
 @dataclasses.dataclass(frozen=True)
 class _SumPlan:
     """One launch of ``_sum_partials_kernel``: its launch key, grid, the arguments after the
-    three tensors (partials, bias, out) and the launch options."""
+    four tensors (partials, bias, out, peer output or None) and the launch options; ``peer``:
+    it stores into the peer output too."""
 
     key: int
     grid: tuple[int, int, int]
     tail: tuple
     options: dict
+    peer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +267,8 @@ class _Plan:
     """One product's launches, everything but the tensors: the launch key, grid, the arguments
     after the tensors and the launch options of the GEMM kernel (TMA or pointer), and for the
     split schedule the partial count and the sum kernel's launch (``sum`` None: the partials are
-    tree-summed in torch)."""
+    tree-summed in torch). ``peer``: the GEMM kernel stores its output into the peer output too
+    (where it stores the final values: not when it writes the split schedule's partials)."""
 
     tma: bool
     key: int
@@ -230,6 +280,7 @@ class _Plan:
     sum: _SumPlan | None = None
     seg_tma: bool = False  # the launch is _segmented_tma_kernel's
     fused: bool = False  # _linear_kernel's programs each walk all their tile's segments
+    peer: bool = False
 
     @property
     def schedule(self) -> str:
@@ -259,24 +310,29 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
           out_dtype: torch.dtype, keep: bool, b_dtype: torch.dtype | None, stride_x: int,
           stride_w: int, stride_o: int, cfg: GemmConfig | None,
           segments: int | SegmentLayout | None, pdl: bool,
-          offsets: tuple[int, int, int, int], contiguous: bool) -> _Plan:
+          offsets: tuple[int, int, int, int], contiguous: bool, peer: int | None = None
+          ) -> _Plan:
     """The launches of ``run`` for these shapes, strides, dtypes (``b_dtype`` None: no bias),
     pointer offsets (the data pointers of x, w, bias and out mod 16) and contiguity; ``keep``:
-    ``out`` is [S, M, N] and receives the partials. Every launch key holds what Triton
-    specializes on, including the integer width of the unspecialized M * N (i64 from 2**31)."""
-    has_bias, wide, align = b_dtype is not None, m * n >= 2 ** 31, alignment(*offsets)
+    ``out`` is [S, M, N] and receives the partials; ``peer``: None, or the offset mod 16 of a
+    peer output laid out as ``out`` that receives its values too. Every launch key holds what
+    Triton specializes on, including the integer width of the unspecialized M * N (i64 from
+    2**31)."""
+    has_bias, wide = b_dtype is not None, m * n >= 2 ** 31
+    has_peer, align = peer is not None, alignment(*offsets, 1 if peer is None else peer)
     cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
     segments = num_segments(k, n) if segments is None else segments
     layout = uniform_layout(k, segments) if isinstance(segments, int) else segments
     segs = layout.count
-    if cfg.tma and segs == 1 and not keep and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align,
-                                                      contiguous):
+    if (cfg.tma and segs == 1 and not keep and not has_peer
+            and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous)):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
     if (cfg.tma and 1 < segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
             and layout.even(k, cfg.block_k) and layout.count * layout.base == k
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous, wide_out=True)):
-        return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl)
-    if cfg.tma and segs > 1:  # the split schedule's programs take the pointer kernel's tile
+        return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl,
+                             None if peer is None else bool(align & 16))
+    if cfg.tma and (segs > 1 or has_peer):  # the pointer kernel's tile (one with a peer store)
         cfg = SEGMENTED_TILE
     even = layout.even(k, cfg.block_k)
     fused = not keep and 1 < segs <= FUSED_MAX_SEGS and tree_kernel_sums(segs) and even and \
@@ -287,20 +343,25 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     prefetch = cfg.prefetch if pdl and not split and rows_aligned else 0  # bulk prefetch: 16 B
     fresh = split and not keep  # the partials go to a new [S, M, N] fp32 buffer
     t_dtype, t_stride = (torch.float32, n) if fresh else (out_dtype, stride_o)
-    t_align = align | 8 if fresh else align
+    t_align = (align | 8) & 15 if fresh else align  # bit 4: the peer's (the GEMM's own stores)
+    gemm_peer = has_peer and not fresh
     key = _LINEAR.intern((x_dtype, w_dtype, t_dtype, b_dtype, n, k, stride_x, stride_w,
-                          t_stride, layout, split, fused, cfg, even, pdl, prefetch, t_align, wide))
+                          t_stride, layout, split, fused, cfg, even, pdl, prefetch, t_align, wide,
+                          gemm_peer))
     tail = (m, n, k, stride_x, stride_w, t_stride, m * n, layout.base, layout.extra, split,
             segs if fused else 1, has_bias and not split, cfg.block_m, cfg.block_n, cfg.block_k,
             cfg.group_m, even, "ieee" if x_dtype == torch.float32 else "tf32", pdl, prefetch,
-            cfg.num_warps * 32)
+            cfg.num_warps * 32, gemm_peer)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options, fused=fused)
+    plan = _Plan(False, key, (tiles, segs if split else 1, 1), tail, options, fused=fused,
+                 peer=gemm_peer)
     if not fresh:
         return plan
     summed = None
-    if tree_kernel_sums(segs):  # the fresh partials buffer is aligned; align's bits 2, 3: b, out
-        summed = _sum_plan(m * n, n, segs, out_dtype, b_dtype, pdl, 1 | (align >> 2) << 1)
+    if tree_kernel_sums(segs):  # the fresh partials buffer is aligned; align's bits 2-4: b,
+        # out, peer
+        summed = _sum_plan(m * n, n, segs, out_dtype, b_dtype, pdl, 1 | (align >> 2) << 1,
+                           has_peer)
     return dataclasses.replace(plan, partials=segs, sum=summed)
 
 
@@ -312,16 +373,17 @@ def tree_kernel_sums(segs: int) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _sum_plan(mn: int, n: int, segs: int, out_dtype: torch.dtype, b_dtype: torch.dtype | None,
-              pdl: bool, align: int) -> _SumPlan:
+              pdl: bool, align: int, peer: bool = False) -> _SumPlan:
     """The tree sum of ``segs`` (``tree_kernel_sums``) contiguous fp32 [MN] partials into an
-    [MN] ``out_dtype`` output whose rows have ``n`` elements (``b_dtype`` None: no bias);
-    ``align``: the 16-byte alignment bits of the partials, the bias and out (``alignment``)."""
+    [MN] ``out_dtype`` output whose rows have ``n`` elements (``b_dtype`` None: no bias), and
+    into a peer output of out's layout too (``peer``); ``align``: the 16-byte alignment bits of
+    the partials, the bias, out and the peer output (``alignment``)."""
     block = max(128, min(1024, 8192 // segs))  # the [segs, block] tile stays in registers
     key = _SUM_PARTIALS.intern((out_dtype, b_dtype, n, segs, pdl, align, mn >= 2 ** 31,
-                                mn % 16 == 0, mn == 1))  # MN is specialized
+                                mn % 16 == 0, mn == 1, peer))  # MN is specialized
     return _SumPlan(key, (triton.cdiv(mn, block), 1, 1),
-                    (mn, n, segs, b_dtype is not None, block, pdl),
-                    dict(num_warps=4, launch_pdl=pdl))
+                    (mn, n, segs, b_dtype is not None, block, pdl, peer),
+                    dict(num_warps=4, launch_pdl=pdl), peer)
 
 
 def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
@@ -339,20 +401,28 @@ def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype
 
 def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
                   out_dtype: torch.dtype, layout: SegmentLayout, cfg: GemmConfig,
-                  pdl: bool) -> _Plan:
-    """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias. A tile whose
-    stages and output staging buffer overflow shared memory (an fp32 output is twice a bf16
-    one) takes half the BLOCK_K and up to twice the stages less one (at most 4)."""
+                  pdl: bool, peer: bool | None = None) -> _Plan:
+    """``_segmented_tma_kernel``'s launch: ``layout`` even for cfg.block_k, no bias; ``peer``:
+    None, or whether the peer output (stored too) is 16-byte aligned. A tile whose stages and
+    output staging buffer overflow shared memory (an fp32 output is twice a bf16 one) takes half
+    the BLOCK_K and up to twice the stages less one (at most 4); with a peer output (a second
+    output tile of shared memory) it then drops stages, down to 2, before halving BLOCK_K
+    again."""
     while smem_bytes(cfg, x_dtype, out_dtype) > SMEM_BYTES and cfg.block_k > MIN_BLOCK_K:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2,
                                   num_stages=min(2 * cfg.num_stages - 1, 4))
+    while peer is not None and smem_bytes(cfg, x_dtype, out_dtype, 2) > SMEM_BYTES and (
+            cfg.num_stages > 2 or cfg.block_k > MIN_BLOCK_K):
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1) if cfg.num_stages > 2 \
+            else dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     programs = _programs(m, n, cfg)
-    key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl))
+    key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl, peer))
     tail = (m, n, k, layout.base // cfg.block_k, layout.count, cfg.block_m, cfg.block_n,
-            cfg.block_k, cfg.group_m, programs, pdl)
+            cfg.block_k, cfg.group_m, programs, pdl, peer is not None)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
-    return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True)
+    return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True,
+                 peer=peer is not None)
 
 
 def _programs(m: int, n: int, cfg: GemmConfig) -> int:

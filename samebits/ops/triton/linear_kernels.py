@@ -90,18 +90,21 @@ def _prefetch_rows(w_ptr, first, N, K, stride_wn, BLOCK_N: tl.constexpr, BYTES: 
 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])  # one compile serves every row count
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   stride_ps, SEG_BASE, SEG_EXTRA, SPLIT: tl.constexpr, NUM_SEGS: tl.constexpr,
-                   HAS_BIAS: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, peer_ptr, M, N, K, stride_xm, stride_wn,
+                   stride_om, stride_ps, SEG_BASE, SEG_EXTRA, SPLIT: tl.constexpr,
+                   NUM_SEGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
+                   HAS_PEER: tl.constexpr):
     """out = x @ w.T (+ b) over all of K (one segment); with SPLIT=True the fp32 partial of K
     segment ``program_id(1)`` (SEG_BASE, SEG_EXTRA: linear.py's ``SegmentLayout``) written to
     ``out_ptr + seg * stride_ps``, left for ``_sum_partials_kernel`` (no bias then); with
     NUM_SEGS > 1 and not SPLIT, every one of NUM_SEGS even segments, tree-summed in registers
     (``_segment_tree``: the split schedule's bits without its partials buffer or second launch),
-    then the bias in fp32 and one cast.
+    then the bias in fp32 and one cast. HAS_PEER: the very values stored into ``out`` are
+    stored again at the same offsets from ``peer_ptr`` (a second output of out's shape and
+    strides: a tensor-parallel peer's slot); without it ``peer_ptr`` is None and unused.
 
     Invariance: ``out[i, j]`` depends only on x[i, :], w[j, :], b[j] and the segment -- not on M,
     the row's position, the tile shape or the program count. A segment's partial is the
@@ -130,6 +133,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         total = _segment_dot(x_ptr, w_ptr, offs_m, offs_n, k_lo, k_hi, stride_xm, stride_wn,
                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         out_ptr += seg * stride_ps
+        if HAS_PEER:
+            peer_ptr += seg * stride_ps
     else:
         if NUM_SEGS > 1:  # every segment of this tile
             total = _segment_tree(x_ptr, w_ptr, offs_m, offs_n, SEG_BASE, K, stride_xm,
@@ -141,7 +146,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
             total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    value = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, value, mask=mask)
+    if HAS_PEER:  # the same registers, the same offsets
+        tl.store(peer_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], value,
+                 mask=mask)
 
 
 @triton.constexpr_function
@@ -159,11 +168,13 @@ def _pair_level(x, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, peer_ptr, MN, N, NUM_SEGS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         HAS_PEER: tl.constexpr):
     """out = tree_sum(p[0 .. NUM_SEGS)) (+ b), element by element (``samebits.ops.backend``'s
     tree; NUM_SEGS a power of two up to 64): level by level, pairs (0, 1), (2, 3) ..., then pairs
-    of pairs; the bias added in fp32, then one cast."""
+    of pairs; the bias added in fp32, then one cast. HAS_PEER: the same values also stored at
+    ``peer_ptr`` (a second contiguous [MN] output; None and unused without it)."""
     wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
@@ -177,7 +188,11 @@ def _sum_partials_kernel(part_ptr, b_ptr, out_ptr, MN, N, NUM_SEGS: tl.constexpr
     total = tl.reshape(x, [BLOCK])
     if HAS_BIAS:
         total += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + offs
+    value = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, value, mask=mask)
+    if HAS_PEER:
+        tl.store(peer_ptr + offs, value, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -212,12 +227,15 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.co
 
 
 @triton.jit(do_not_specialize=["M"])
-def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+def _segmented_tma_kernel(x_desc, w_desc, out_desc, peer_ptr, M, N, K, SEG_TILES,
+                          NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                          NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr, HAS_PEER: tl.constexpr):
     """Persistent TMA GEMM over NUM_SEGS (2 .. 16) K segments of SEG_TILES whole BLOCK_K steps
     each: every segment's partial accumulated from zero in fp32 over ascending K, the partials
     added in ``tree_sum``'s order in registers, the sum cast to out's dtype and stored.
+    HAS_PEER: the same tile values also stored, by plain masked stores, into a contiguous [M, N]
+    tensor at ``peer_ptr`` (a tensor-parallel peer's slot; None and unused without it).
 
     Invariance: ``out[i, j]`` is ``_linear_kernel``'s split schedule summed by
     ``_sum_partials_kernel`` (or ``tree_sum``), bit for bit: each partial is the one-segment
@@ -250,4 +268,10 @@ def _segmented_tma_kernel(x_desc, w_desc, out_desc, M, N, K, SEG_TILES, NUM_SEGS
                 for s in tl.static_range(NUM_SEGS):
                     s0, s1, s2, s3 = tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], s0.to(out_desc.dtype))
+        value = s0.to(out_desc.dtype)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], value)
+        if HAS_PEER:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(peer_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], value, mask=mask)

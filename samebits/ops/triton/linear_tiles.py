@@ -158,10 +158,13 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)
 
 
-def smem_bytes(cfg: GemmConfig, x_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
-    """Shared memory of a TMA tile: its stages of x and w blocks, and the output staging tile."""
+def smem_bytes(cfg: GemmConfig, x_dtype: torch.dtype, out_dtype: torch.dtype,
+               outputs: int = 1) -> int:
+    """Shared memory of a TMA tile: its stages of x and w blocks, and ``outputs`` output tiles
+    (the TMA store's staging tile; a second output's pointer stores take as much again, the
+    scratch of the accumulator's layout conversion)."""
     stage = (cfg.block_m + cfg.block_n) * cfg.block_k * x_dtype.itemsize
-    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * out_dtype.itemsize
+    return cfg.num_stages * stage + outputs * cfg.block_m * cfg.block_n * out_dtype.itemsize
 
 
 @functools.lru_cache(maxsize=64)
