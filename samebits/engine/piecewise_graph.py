@@ -139,8 +139,9 @@ class PiecewiseGraphs:
         """Bucket ``t``'s chain: the forward run once eagerly (compiling every kernel the capture
         launches), then captured, cut at each attention."""
         ops, dev = self.model.ops, self.q.device
+        meta = self._placeholder_meta(t)  # built before the capture: a host-to-device copy
         with ops.as_captured(), self._split(lambda: None):
-            self._forward(t)
+            self._forward(t, meta)
         torch.cuda.synchronize(dev)
         graphs = [torch.cuda.CUDAGraph()]
 
@@ -155,7 +156,7 @@ class PiecewiseGraphs:
                 self._split(cut) as splitter:
             graphs[0].capture_begin(pool=self.pool)
             try:
-                hidden = self._forward(t)
+                hidden = self._forward(t, meta)
             finally:
                 graphs[-1].capture_end()
         torch.cuda.current_stream(dev).wait_stream(stream)
@@ -164,16 +165,19 @@ class PiecewiseGraphs:
                                f"a forward of {len(self.model.layers)} layers")
         return _Chain(graphs, splitter.calls, hidden)
 
-    def _forward(self, t: int) -> torch.Tensor:
-        """The model's forward over the first ``t`` rows of the graphs' inputs (the attention
-        metadata is a placeholder: the splitter runs no attention)."""
+    def _placeholder_meta(self, t: int) -> AttentionMetadata:
+        """Attention metadata for a capture of ``t`` rows: the graphs' slots; the rest is never
+        read (the splitter runs no attention)."""
         dev = self.q.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
             seq_lens=torch.full((1,), t, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
             slot_mapping=self.slots[:t], seq_lens_list=(t,), query_start_loc_list=(0, t),
             block_size=self.block_size, split_size=self.split_size)
+
+    def _forward(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward over the first ``t`` rows of the graphs' inputs."""
         return self.model(self.input_ids[:t], self.positions[:t], self.kv_caches, meta)
 
     @contextlib.contextmanager
