@@ -88,6 +88,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("samebits.engine")
 
 RINGS = 2  # buffers alternated between consecutive row-parallel layers (module docstring)
+# set once this process has entered torch's symmetric-memory rendezvous. Torch keys the store
+# exchanges of a rendezvous with a count kept per process (its ``StoreExchange``), so a process
+# that rendezvoused before -- rank 0 of an earlier engine, the caller's process -- and a newly
+# spawned rank would wait for each other's keys forever; every later engine of this process
+# gathers instead (``wanted``: the same bits)
+_RENDEZVOUSED = threading.Event()
 # the most rows an exchange pushes (the default max_num_batched_tokens: every step of the default
 # engine); an engine of fewer batched tokens reserves only those (``push_rows``); more rows take
 # NCCL's gather
@@ -211,10 +218,16 @@ def torch_supports(version: str = torch.__version__) -> bool:
 
 def wanted(width: int) -> int:
     """The push level this rank asks for at connect (0: none): ``SAMEBITS_TP_PUSH`` where a
-    row-parallel layer pushes (``width`` > 0) and torch is at least ``MIN_TORCH`` (else logged).
+    row-parallel layer pushes (``width`` > 0), torch is at least ``MIN_TORCH`` and this process
+    has not rendezvoused before (``_RENDEZVOUSED``; else logged).
     Every CUDA rank of several reports it to the agreement (``open_exchange``), whatever it is,
     so ranks whose environments differ still take one path."""
     level = env.tp_push() if width > 0 else 0
+    if level and _RENDEZVOUSED.is_set():
+        log.warning("tensor parallel: an earlier engine of this process opened a push exchange, "
+                    "and torch's symmetric-memory rendezvous cannot be repeated with newly "
+                    "spawned ranks; the row-parallel sums take NCCL's gather (the same bits)")
+        return 0
     if level and not torch_supports():
         log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its "
                     "symmetric-memory API), this is %s; the row-parallel sums take NCCL's "
@@ -316,6 +329,7 @@ def _rendezvous(local: torch.Tensor, flags: torch.Tensor, rank: int, world: int,
     try:
         from torch.distributed import _symmetric_memory as symm_mem
         name = dist.group.WORLD.group_name
+        _RENDEZVOUSED.set()
         handles = (symm_mem.rendezvous(local, name), symm_mem.rendezvous(flags, name))
         mapped = {r: _mapped(handles[0], r, local) for r in range(world)}
         flag_buffers = [_mapped(handles[1], r, flags) for r in range(world)]

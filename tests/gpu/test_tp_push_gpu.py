@@ -22,17 +22,21 @@ What the tests prove:
   (within 120 s): both gather where one is off, both copy (unfused) at 1 and 2.
 - A rank killed mid-generate (each level): ``generate`` raises ``RankFailedError`` naming it
   within 30 s (the watcher's abort word ends rank 0's push barrier), and a new TP 2 engine then
-  starts in the same process and pushes the gather's bits.
+  starts in the same process, gathers (torch's rendezvous runs once per process) and gives the
+  bits of push off.
+Every engine that must push runs in a process of its own (``_in_fresh_process``).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -238,10 +242,24 @@ def _engine(config: str, push: int, trace: Path | None = None, **options) -> LLM
             del os.environ[name]
 
 
+def _in_fresh_process(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a newly spawned process: torch's symmetric-memory rendezvous
+    runs once per process (a later engine of the process gathers: ``symmetric._RENDEZVOUSED``),
+    so an engine that must push is the first of its process."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def _generate(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
               params=PARAMS, **options) -> list[tuple[list[int], list[float]]]:
     """TP 2's tokens and logprobs with push at level ``push`` (0: off) (and each rank's
-    collectives in ``trace``)."""
+    collectives in ``trace``), from an engine that is the first of its process."""
+    return _in_fresh_process(_generate_here, config, push, trace, prompts, params, **options)
+
+
+def _generate_here(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
+                   params=PARAMS, **options) -> list[tuple[list[int], list[float]]]:
+    """``_generate`` in this process."""
     llm = _engine(config, push, trace, **options)
     try:
         return [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
@@ -348,12 +366,17 @@ def test_ranks_whose_push_variables_differ_agree_and_connect_without_waiting(
 
 
 @LEVELS
-def test_a_rank_killed_mid_generate_raises_naming_it_within_30s_then_a_new_engine_pushes(level):
+def test_a_rank_killed_mid_generate_raises_naming_it_within_30s_then_a_new_engine_gathers(level):
     """Rank 1 killed (SIGKILL) while rank 0 generates on a thread: rank 0's push barrier, which
     waits for rank 1's signal, returns once the watcher sets the abort word (``TPGroup.abort``),
     and ``generate`` raises ``RankFailedError`` naming rank 1 within 30 s (torch's symmetric-
     memory barrier would spin until its 30-minute timeout). The CUDA context survives (no trap),
-    so a new TP 2 engine then starts in this process and its pushed bits are the gather's."""
+    so a new TP 2 engine then starts in the same process; it gathers (torch's rendezvous runs
+    once per process) and its bits are those of an engine with push off. In a fresh process."""
+    _in_fresh_process(_killed_then_new_engine, level)
+
+
+def _killed_then_new_engine(level: int) -> None:
     llm = _engine(TINY, push=level)
     assert llm.engine.runner.group.exchange is not None
     failed: list[tuple[BaseException, float]] = []
@@ -380,4 +403,9 @@ def test_a_rank_killed_mid_generate_raises_naming_it_within_30s_then_a_new_engin
     assert isinstance(error, RankFailedError) and "rank 1" in str(error)
     assert when - killed < 30
     short = dict(prompts=PROMPTS[:4], params=PARAMS[:4])
-    assert _generate(TINY, push=level, **short) == _generate(TINY, push=0, **short)
+    again = _engine(TINY, push=level)
+    try:
+        assert again.engine.runner.group.exchange is None
+    finally:
+        again.engine.runner.shutdown()
+    assert _generate_here(TINY, push=level, **short) == _generate_here(TINY, push=0, **short)

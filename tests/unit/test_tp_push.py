@@ -69,6 +69,12 @@ K, H, S = 64, 24, 4  # 4 segments: two ranks own 2 each, four ranks 1 each (subt
 ROWS = 8  # the fake exchange's ring rows
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process(monkeypatch):
+    """Each test a process that has not rendezvoused yet (``symmetric._RENDEZVOUSED``)."""
+    monkeypatch.setattr(symmetric, "_RENDEZVOUSED", threading.Event())
+
+
 def _data(rows: tuple[int, ...], k: int, n: int, seed: int, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*rows, k, generator=g) * torch.logspace(0, 3, k)
@@ -253,6 +259,23 @@ def _cuda_pair(monkeypatch, peer_ok: int | list[int], own_is_local: bool = True,
     return group, agreed
 
 
+def test_a_process_that_rendezvoused_before_asks_for_no_push_and_its_group_gathers(
+        monkeypatch, caplog):
+    """After one exchange opened in this process (an earlier engine's rank 0), a new group's
+    rank 0 asks for level 0 and nothing is allocated or rendezvoused: torch's rendezvous counts
+    its store exchanges per process, so a newly spawned peer would wait for other keys. Control:
+    the same rank in a fresh process opens the exchange."""
+    monkeypatch.setattr(PushExchange, "probe", lambda self: True)
+    group, agreed = _cuda_pair(monkeypatch, [2, 1, 1, symmetric.PROBE_OK])
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "2")
+    assert symmetric.open_exchange(group, H) is not None  # the control: a fresh process
+    group, agreed = _cuda_pair(monkeypatch, 2, rendezvous=lambda *a: pytest.fail("rendezvous"))
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", "2")
+    monkeypatch.setattr(symmetric, "_symmetric_empty", lambda *a, **k: pytest.fail("allocated"))
+    assert symmetric.open_exchange(group, H) is None and agreed == [0]
+    assert "an earlier engine of this process opened a push exchange" in caplog.text
+
+
 def test_no_rendezvous_where_the_peer_could_not_allocate(monkeypatch):
     group, agreed = _cuda_pair(monkeypatch, [1, 0],
                                rendezvous=lambda *a: pytest.fail("rendezvous"))
@@ -264,6 +287,7 @@ def test_a_failed_rendezvous_or_a_misplaced_mapping_is_agreed_on_and_both_ranks_
     def fails(local, name):
         raise RuntimeError("no peer access")
     for kwargs in (dict(rendezvous=fails), dict(own_is_local=False)):
+        monkeypatch.setattr(symmetric, "_RENDEZVOUSED", threading.Event())  # a fresh process
         group, agreed = _cuda_pair(monkeypatch, 1, **kwargs)
         assert symmetric.open_exchange(group, H) is None and agreed == [1, 1, 0]
     assert "rendezvous failed" in caplog.text
