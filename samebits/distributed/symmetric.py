@@ -90,16 +90,13 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from samebits import env
-
-if TYPE_CHECKING:
-    from samebits.distributed.group import TPGroup
 
 log = logging.getLogger("samebits.engine")
 
@@ -242,7 +239,18 @@ def push_rows(max_batched_tokens: int | None) -> int:
     return PUSH_MAX_ROWS if max_batched_tokens is None else min(PUSH_MAX_ROWS, max_batched_tokens)
 
 
-def open_exchange(group: TPGroup, width: int, max_rows: int = PUSH_MAX_ROWS
+class Group(Protocol):
+    """What opening an exchange needs of the process group (``TPGroup``): its device, this
+    rank, the world size, and the smallest of every rank's int (a collective)."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+
+    def min_int(self, value: int) -> int: ...
+
+
+def open_exchange(group: Group, width: int, max_rows: int = PUSH_MAX_ROWS
                   ) -> PushExchange | None:
     """The group's exchange for up to ``max_rows`` rows of up to ``width`` values,
     ``RINGS * N * max_rows * width * 4`` bytes of device memory on each rank (logged), allocated,
