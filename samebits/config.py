@@ -165,7 +165,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs at all (they never change the bits)
     # CUDA: prefill and mixed steps of up to this many tokens (and at most
     # max_num_batched_tokens) replay piecewise CUDA graphs -- every op but attention
-    # (engine.piecewise_graph); 0: they run eagerly. Never changes the bits
+    # (engine.piecewise_graph); 0: they run eagerly. Never changes the invariant mode's bits
     max_piecewise_tokens: int = 2048
     # CUDA graphs: a decode step's successor is launched before the step's tokens reach the host
     # (its input ids read on the device), and used when the next step is that very batch; the

@@ -221,9 +221,9 @@ def wanted(width: int) -> int:
     so ranks whose environments differ still take one path."""
     level = env.tp_push() if width > 0 else 0
     if level and _RENDEZVOUSED.is_set():
-        log.warning("tensor parallel: an earlier engine of this process opened a push exchange, "
-                    "and torch's symmetric-memory rendezvous cannot be repeated with newly "
-                    "spawned ranks; the row-parallel sums take NCCL's gather (the same bits)")
+        log.warning("tensor parallel: an earlier engine of this process entered torch's "
+                    "symmetric-memory rendezvous, which cannot be repeated with newly spawned "
+                    "ranks; the row-parallel sums take NCCL's gather (the same bits)")
         return 0
     if level and not torch_supports():
         log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its "

@@ -84,14 +84,18 @@ class KVBudget:
             * cfg.max_num_seqs * model.cfg.hidden_size * self.dtype.itemsize
         return prefill + decode + outputs + self._piecewise_reserve(prefill)
 
-    def _piecewise_reserve(self, prefill: int) -> int:
+    def _piecewise_reserve(self, pool_bound: int) -> int:
+        """The piecewise graphs' bytes: their pool, at most ``pool_bound`` (the eager prefill's
+        peak: the chains share one pool and stream, and the largest is a forward of at most
+        ``max_num_batched_tokens`` rows), each chain's output and the q and attention buffers;
+        0 where there are none."""
         cfg, model = self.config, self.model
         tokens = min(cfg.max_piecewise_tokens, cfg.max_num_batched_tokens)
         if tokens == 0 or not hasattr(model, "run_layers"):
             return 0
         attn = model.layers[0].self_attn
         rows = sum(token_buckets(tokens)) * model.cfg.hidden_size + 2 * tokens * attn.hq * attn.d
-        return prefill + rows * self.dtype.itemsize
+        return pool_bound + rows * self.dtype.itemsize
 
     def _peak(self, fn) -> int:
         torch.cuda.synchronize(self.device)

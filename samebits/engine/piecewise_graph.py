@@ -19,8 +19,10 @@ Buffers. Every layer's attention prologue writes q into one buffer (``qkv_rope_s
 and every attention its output into another (``attention(out=)``), both shared by the layers and
 the buckets: layer i's attention reads q before layer i+1's graph overwrites it, and layer i+1's
 graph reads the output before attention i+1 overwrites it (stream order). The chains' graphs
-share one memory pool (captured largest first, replayed one chain at a time); a chain keeps its
-hidden output [bucket, H].
+share one memory pool, captured largest first on one stream, so the chains share their
+temporaries and the pool is about the largest bucket's forward peak plus each chain's hidden output
+[bucket, H], which the chain keeps (``run`` returns a view of it: valid until the chain's next
+replay).
 """
 
 from __future__ import annotations
@@ -85,19 +87,49 @@ class _Splitter:
         self._cut()
         return self._o[:q.shape[0]]
 
+@contextlib.contextmanager
+def split_ops(model, q: torch.Tensor, o: torch.Tensor, cut: Callable[[], None]
+              ) -> Iterator[_Splitter]:
+    """``model.ops`` replaced by a ``_Splitter`` over the buffers ``q`` and ``o`` while inside
+    (a capture, or the CPU stand-in's forward in replay order)."""
+    ops = model.ops
+    model.ops = splitter = _Splitter(ops, q, o, cut)
+    try:
+        yield splitter
+    finally:
+        model.ops = ops
+
+
+def bucket_of(num_tokens: int, buckets: list[int]) -> int:
+    """The bucket a forward of ``num_tokens`` tokens runs in: ``token_bucket``'s, capped at the
+    largest of ``buckets`` (``token_buckets``)."""
+    return min(token_bucket(num_tokens), buckets[-1])
+
+
+def fill_inputs(host: np.ndarray, input_ids: list[int], positions: list[int], slots: list[int],
+                pad: np.ndarray) -> None:
+    """``host`` [3, rows]: the forward's input ids, positions and KV slots, then padding rows
+    (``pad`` [3, 1]: token 0 at position 0, written to the scratch block's first slot)."""
+    t = len(input_ids)
+    host[:, :t] = (input_ids, positions, slots)
+    host[:, t:] = pad
+
 
 class _Chain:
-    """One bucket's forward: graph 0, attention 0, graph 1, ..., attention L-1, graph L."""
+    """One bucket's forward: graph 0, attention 0, graph 1, ..., attention L-1, graph L; the
+    placeholder metadata the capture was given is kept alive with the graphs."""
 
     def __init__(self, graphs: list[torch.cuda.CUDAGraph],
-                 calls: list[tuple[torch.Tensor, torch.Tensor, float]], hidden: torch.Tensor
-                 ) -> None:
-        self.graphs, self.calls, self.hidden = graphs, calls, hidden
+                 calls: list[tuple[torch.Tensor, torch.Tensor, float]], hidden: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        self.graphs, self.calls, self.hidden, self.meta = graphs, calls, hidden, meta
 
 
 class PiecewiseGraphs:
     """Captures, at construction, the chain of every token bucket up to ``max_tokens`` (so no
-    request waits for a capture); ``run`` replays a forward of up to ``max_tokens`` tokens."""
+    request waits for a capture); ``run`` replays a forward of up to ``max_tokens`` tokens. Its
+    result is a view of the chain's output, valid until that chain's next replay: a caller that
+    keeps it copies it."""
 
     def __init__(self, model, kv_caches: list, max_tokens: int, block_size: int,
                  split_size: int, scratch_block: int) -> None:
@@ -107,40 +139,41 @@ class PiecewiseGraphs:
         self.block_size, self.split_size = block_size, split_size
         self.buckets = token_buckets(max_tokens)
         dev, size = kv_caches[0][0].device, self.buckets[-1]
-        attn = model.layers[0].self_attn
-        self.q = torch.zeros(size, attn.hq, attn.d, dtype=kv_caches[0][0].dtype, device=dev)
+        attn, dtype = model.layers[0].self_attn, next(model.parameters()).dtype
+        self.q = torch.zeros(size, attn.hq, attn.d, dtype=dtype, device=dev)
         self.o = torch.zeros_like(self.q)
         self.staging = Staging(3 * size, dev)
         self.host = np.empty((3, size), dtype=np.int64)
         self.pad = np.array([0, 0, scratch_block * block_size], dtype=np.int64)[:, None]
-        self.host[:] = self.pad
+        fill_inputs(self.host, [], [], [], self.pad)
         ints = self.staging.device.view(3, size)
         self.input_ids, self.positions, self.slots = ints[0], ints[1], ints[2]
         self.staging.send(self.host.reshape(-1))
-        self.pool = torch.cuda.graph_pool_handle()
+        # one pool and one capture stream for every chain: the caching allocator reuses a freed
+        # block only on the stream it was allocated on, so the chains share their temporaries
+        self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         self.chains: dict[int, _Chain] = {}
         self.steps = 0  # forwards replayed, since start
-        self.capture_seconds = self._capture_all()
+        self._capture_all()
 
-    def _capture_all(self) -> float:
-        start, before = time.perf_counter(), torch.cuda.memory_allocated()
-        buckets = self.buckets[::-1]  # largest first: the pool is sized once
-        for t in tqdm(buckets, desc="capturing piecewise CUDA graphs", unit="bucket",
-                      leave=False):
+    def _capture_all(self) -> None:
+        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        for t in tqdm(self.buckets[::-1], desc="capturing piecewise CUDA graphs", unit="bucket",
+                      leave=False):  # largest first: the pool grows once
             self.chains[t] = self._capture(t)
-        seconds = time.perf_counter() - start
-        self.memory_bytes = torch.cuda.memory_allocated() - before
+            for graph in self.chains[t].graphs:  # the first replay uploads the graphs
+                graph.replay()
+        torch.cuda.synchronize(self.q.device)
         log.info("captured piecewise CUDA graphs for steps of up to %d tokens (buckets %s) in "
-                 "%.1f s, %.0f MiB", self.max_tokens, buckets[::-1], seconds,
-                 self.memory_bytes / 2**20)
-        return seconds
+                 "%.1f s, %.0f MiB", self.max_tokens, self.buckets, time.perf_counter() - start,
+                 (torch.cuda.memory_reserved() - before) / 2**20)
 
     def _capture(self, t: int) -> _Chain:
         """Bucket ``t``'s chain: the forward run once eagerly (compiling every kernel the capture
         launches), then captured, cut at each attention."""
         ops, dev = self.model.ops, self.q.device
         meta = self._placeholder_meta(t)  # built before the capture: a host-to-device copy
-        with ops.as_captured(), self._split(lambda: None):
+        with ops.as_captured(), split_ops(self.model, self.q, self.o, lambda: None):
             self._forward(t, meta)
         torch.cuda.synchronize(dev)
         graphs = [torch.cuda.CUDAGraph()]
@@ -150,20 +183,22 @@ class PiecewiseGraphs:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=self.pool)
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream), gc_paused(), ops.as_captured(), \
-                self._split(cut) as splitter:
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.stream), gc_paused(), ops.as_captured(), \
+                split_ops(self.model, self.q, self.o, cut) as splitter:
             graphs[0].capture_begin(pool=self.pool)
             try:
                 hidden = self._forward(t, meta)
-            finally:
-                graphs[-1].capture_end()
-        torch.cuda.current_stream(dev).wait_stream(stream)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture's own error is the news
+                    graphs[-1].capture_end()
+                raise
+            graphs[-1].capture_end()
+        torch.cuda.current_stream(dev).wait_stream(self.stream)
         if len(splitter.calls) != len(self.model.layers):
             raise RuntimeError(f"piecewise CUDA graphs: {len(splitter.calls)} attention calls in "
                                f"a forward of {len(self.model.layers)} layers")
-        return _Chain(graphs, splitter.calls, hidden)
+        return _Chain(graphs, splitter.calls, hidden, meta)
 
     def _placeholder_meta(self, t: int) -> AttentionMetadata:
         """Attention metadata for a capture of ``t`` rows: the graphs' slots; the rest is never
@@ -180,30 +215,20 @@ class PiecewiseGraphs:
         """The model's forward over the first ``t`` rows of the graphs' inputs."""
         return self.model(self.input_ids[:t], self.positions[:t], self.kv_caches, meta)
 
-    @contextlib.contextmanager
-    def _split(self, cut: Callable[[], None]) -> Iterator[_Splitter]:
-        ops = self.model.ops
-        self.model.ops = splitter = _Splitter(ops, self.q, self.o, cut)
-        try:
-            yield splitter
-        finally:
-            self.model.ops = ops
-
     def covers(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_tokens
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, H] of a forward of these tokens: the chain of their bucket, with
-        each layer's attention run on ``meta`` (planned: ``ops.plan_attention``) between its
-        graphs."""
+        """Hidden states [T, H] of a forward of these tokens (a view of the chain's output): the
+        chain of their bucket, with each layer's attention run on ``meta`` (planned:
+        ``ops.plan_attention``) between its graphs."""
         t = len(input_ids)
-        chain = self.chains[min(token_bucket(t), self.buckets[-1])]
-        self.host[:, :t] = (input_ids, positions, slots)
-        self.host[:, t:] = self.pad
+        chain = self.chains[bucket_of(t, self.buckets)]
+        fill_inputs(self.host, input_ids, positions, slots, self.pad)
         self.staging.send(self.host.reshape(-1))
         ops, q, o = self.model.ops, self.q[:t], self.o[:t]
-        for graph, (k_cache, v_cache, scale) in zip(chain.graphs, chain.calls, strict=False):
+        for graph, (k_cache, v_cache, scale) in zip(chain.graphs[:-1], chain.calls, strict=True):
             graph.replay()
             ops.attention(q, k_cache, v_cache, meta, scale, out=o)
         chain.graphs[-1].replay()

@@ -126,9 +126,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def all_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Final-norm hidden states [T, H] of every scheduled token (embeddings, reference checks)."""
+        """Final-norm hidden states [T, H] of every scheduled token (embeddings, reference checks):
+        a tensor of the caller's (a piecewise forward's is the graphs' buffer)."""
         with self._guard():
-            return self._forward(self.prepare(batch).forward)
+            return self._forward(self.prepare(batch).forward).clone()
 
     def discard_ahead(self) -> None:
         """Drop the step launched ahead (the weights or a sequence's state changed)."""
@@ -179,7 +180,8 @@ class ModelRunner:
             calls[op](*args)
 
     def _forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The eager forward of ``inputs``: hidden states [T, H], kept as slot "main"."""
+        """The forward of ``inputs`` (piecewise graphs where they cover it, else eager): hidden
+        states [T, H], kept as slot "main" (valid until the next forward)."""
         self._announce("forward", inputs)
         dev = self.device
         meta = self.model.ops.plan_attention(AttentionMetadata(
@@ -395,7 +397,8 @@ class ModelRunner:
         ``run_layers``, or ``max_piecewise_tokens`` 0)."""
         config = self.config
         tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
-        if self.graphs is None or tokens == 0 or not hasattr(self.model, "run_layers"):
+        if (self.device.type != "cuda" or config.enforce_eager or tokens == 0
+                or not hasattr(self.model, "run_layers")):
             return None
         graphs = PiecewiseGraphs(self.model, self.kv_caches, tokens, config.block_size,
                                  config.attention_split_size, scratch_block=self.num_blocks)
@@ -407,8 +410,8 @@ class ModelRunner:
         """Free the KV cache and the CUDA graphs that read it; with ``offload_weights``, move the
         weights to host memory too (on CUDA; on CPU they already are). Nothing runs until
         ``wake_up``."""
-        self.discard_ahead()
-        self.graphs, self.piecewise, self.kv_caches = None, None, []
+        self.release_graphs()
+        self.kv_caches = []
         if offload_weights and self.device.type == "cuda":
             for p in self.model.parameters():
                 host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)

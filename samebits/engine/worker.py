@@ -61,8 +61,10 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, queue: QueueHan
     try:
         group.connect(init_method, config.max_num_batched_tokens)
         runner = ModelRunner(loaded, config)
-        log.info("tensor-parallel rank %d: %d KV blocks, %d CUDA graphs; serving", rank,
-                 runner.num_blocks, 0 if runner.graphs is None else len(runner.graphs.graphs))
+        log.info("tensor-parallel rank %d: %d KV blocks, %d decode CUDA graphs, %d piecewise "
+                 "buckets; serving", rank, runner.num_blocks,
+                 0 if runner.graphs is None else len(runner.graphs.graphs),
+                 0 if runner.piecewise is None else len(runner.piecewise.chains))
         serve(runner, group)
         runner.release_graphs()
         if group.device.type == "cuda":

@@ -9,6 +9,7 @@ checked against the eager engine in tests/gpu/test_piecewise_gpu.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from samebits import LLM, SamplingParams
 from samebits.engine.piecewise_graph import token_bucket, token_buckets
@@ -56,3 +57,21 @@ def test_negative_control_padding_written_to_a_real_block_changes_the_outputs(ti
     want, _ = _generate(tiny_llama_dir, piecewise=False)
     got, _ = _generate(tiny_llama_dir, piecewise=True, pad_slot=pad_slot)
     assert got != want
+
+
+def test_hidden_states_of_prompt_chunks_are_the_callers_and_equal_one_pass(tiny_llama_dir,
+                                                                         monkeypatch):
+    """``prompt_hidden`` in two chunks of one bucket through the piecewise forward, whose result
+    is a view of its bucket's buffer: ``all_hidden`` hands each chunk's rows over as the
+    caller's own, so the chunks equal one eager pass. Control: without that copy the second
+    chunk's forward overwrites the first chunk's rows."""
+    llm = LLM(str(tiny_llama_dir), seed=0, block_size=4, max_num_batched_tokens=40, max_num_seqs=4)
+    engine, runner = llm.engine, llm.engine.runner
+    ids = PROMPTS[5][:20]
+    whole = engine.prompt_hidden(ids)
+    runner.piecewise = EagerPiecewise(runner, 40)
+    assert torch.equal(engine.prompt_hidden(ids, chunks=[10, 10]), whole)
+    assert runner.piecewise.steps == 2
+    monkeypatch.setattr(runner, "all_hidden", torch.inference_mode()(
+        lambda batch: runner._forward(runner.prepare(batch).forward)))
+    assert not torch.equal(engine.prompt_hidden(ids, chunks=[10, 10]), whole)

@@ -36,7 +36,6 @@ import signal
 import socket
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -242,12 +241,35 @@ def _engine(config: str, push: int, trace: Path | None = None, **options) -> LLM
             del os.environ[name]
 
 
-def _in_fresh_process(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a newly spawned process: torch's symmetric-memory rendezvous
-    runs once per process (a later engine of the process gathers: ``symmetric._RENDEZVOUSED``),
-    so an engine that must push is the first of its process."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
-        return pool.submit(fn, *args, **kwargs).result()
+def _in_fresh_process(fn, *args, timeout: float = 300, **kwargs):
+    """``fn(*args, **kwargs)`` in a newly spawned process, its result or its exception here (or
+    a ``TimeoutError`` after ``timeout`` s, the child killed): torch's symmetric-memory
+    rendezvous runs once per process (a later engine of the process gathers:
+    ``symmetric._RENDEZVOUSED``), so an engine that must push is the first of its process."""
+    context = mp.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_result, args=(send, fn, args, kwargs))
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(timeout):
+            raise TimeoutError(f"{fn.__name__} gave no result within {timeout} s")
+        ok, value = receive.recv()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _send_result(send, fn, args: tuple, kwargs: dict) -> None:
+    """A fresh process's body: (True, result) or (False, the exception) into ``send``."""
+    try:
+        send.send((True, fn(*args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 -- handed to the parent
+        send.send((False, e))
 
 
 def _generate(config: str, push: int, trace: Path | None = None, prompts=PROMPTS,
@@ -372,11 +394,13 @@ def test_a_rank_killed_mid_generate_raises_naming_it_within_30s_then_a_new_engin
     and ``generate`` raises ``RankFailedError`` naming rank 1 within 30 s (torch's symmetric-
     memory barrier would spin until its 30-minute timeout). The CUDA context survives (no trap),
     so a new TP 2 engine then starts in the same process; it gathers (torch's rendezvous runs
-    once per process) and its bits are those of an engine with push off. In a fresh process."""
-    _in_fresh_process(_killed_then_new_engine, level)
+    once per process) and its bits are those of push off in another process. In a fresh
+    process."""
+    got = _in_fresh_process(_killed_then_new_engine, level)
+    assert got == _generate(TINY, push=0, prompts=PROMPTS[:4], params=PARAMS[:4])
 
 
-def _killed_then_new_engine(level: int) -> None:
+def _killed_then_new_engine(level: int) -> list:
     llm = _engine(TINY, push=level)
     assert llm.engine.runner.group.exchange is not None
     failed: list[tuple[BaseException, float]] = []
@@ -402,10 +426,11 @@ def _killed_then_new_engine(level: int) -> None:
     (error, when), = failed
     assert isinstance(error, RankFailedError) and "rank 1" in str(error)
     assert when - killed < 30
-    short = dict(prompts=PROMPTS[:4], params=PARAMS[:4])
     again = _engine(TINY, push=level)
     try:
         assert again.engine.runner.group.exchange is None
+        got = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs)
+               for o in again.generate(PROMPTS[:4], PARAMS[:4])]
     finally:
         again.engine.runner.shutdown()
-    assert _generate_here(TINY, push=level, **short) == _generate_here(TINY, push=0, **short)
+    return got
