@@ -87,6 +87,7 @@ class _Splitter:
         self._cut()
         return self._o[:q.shape[0]]
 
+
 @contextlib.contextmanager
 def split_ops(model, q: torch.Tensor, o: torch.Tensor, cut: Callable[[], None]
               ) -> Iterator[_Splitter]:
