@@ -8,8 +8,9 @@ config's shapes. Per size it prints the start seconds, each rank's weight bytes 
 per workload the generated tok/s and its ratio to the first size listed (TP 1): ``batch`` (64
 requests of 1024 prompt tokens, 256 generated each, all submitted at once) and ``decode-bs1``
 (one greedy request, 256 generated tokens after a 128-token prompt; each workload is run once
-to warm up, then timed), then the seconds its shutdown took (bounded: the ranks exit when
-told, rank 0 releases its side alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
+to warm up, then timed; ``--runs N``: N times, the median's tok/s reported with each run's),
+then the seconds its shutdown took (bounded: the ranks exit when told, rank 0 releases its side
+alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
 1.3x at TP 2.
 The bits agree across sizes where the backend runs the segmented K on one device
 (``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push LEVEL ...``: every
@@ -28,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -60,18 +62,31 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
         prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)] for i in range(n)]
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params)  # warm-up (no prefix caching: the timed run recomputes)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
-        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        seconds, ids = _timed(llm, prompts, params, args.runs)
         print(json.dumps({"tp": tp, "workload": name, "requests": n, "prompt": prompt,
-                          "generated": gen, "seconds": round(seconds, 3),
-                          "tok_s": round(len(ids) / seconds, 1),
+                          "generated": gen, "seconds": round(statistics.median(seconds), 3),
+                          "tok_s": round(len(ids) / statistics.median(seconds), 1),
+                          "runs_tok_s": [round(len(ids) / s, 1) for s in seconds],
                           "tokens_sha": hashlib.sha256(str(ids).encode()).hexdigest()[:16]}),
               flush=True)
     start = time.perf_counter()
     runner.shutdown()
     print(json.dumps({"tp": tp, "shutdown_s": round(time.perf_counter() - start, 2)}), flush=True)
+
+
+def _timed(llm, prompts: list[list[int]], params, runs: int) -> tuple[list[float], list[int]]:
+    """Each of ``runs`` timed runs' seconds, and the generated ids (every run's must be the
+    first's: the same bits)."""
+    seconds, first = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds.append(time.perf_counter() - start)
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        if first is not None and ids != first:
+            raise RuntimeError("a repeated run generated other tokens")
+        first = ids
+    return seconds, first
 
 
 def _text(out: str | bytes | None) -> str:
@@ -96,6 +111,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each size may take (start, workloads, shutdown) before it is "
                         "stopped and reported as an error")
+    p.add_argument("--runs", type=int, default=1,
+                   help="timed runs of each workload after its warm-up; tok/s is the median's")
     p.add_argument("--max-piecewise-tokens", type=int, default=2048,
                    help="the engine's option: prefill and mixed steps of up to this many tokens "
                         "replay piecewise CUDA graphs; 0: eager")
@@ -125,7 +142,7 @@ def _run_child(args: argparse.Namespace, tp: int, level: int) -> list[dict]:
     ``SAMEBITS_TP_PUSH``): its JSON lines, printed as they come, each with its ``push``."""
     cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
-           "--max-piecewise-tokens", str(args.max_piecewise_tokens),
+           "--max-piecewise-tokens", str(args.max_piecewise_tokens), "--runs", str(args.runs),
            "--one", str(tp)]
     env = {**os.environ, "SAMEBITS_TP_PUSH": str(level)}
     try:
