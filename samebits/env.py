@@ -91,6 +91,6 @@ def tp_push() -> int:
 def keep_torch_multicast_off() -> None:
     """The one variable samebits sets, for torch, before allocating symmetric memory:
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set. samebits never uses NVLink multicast
-    (its pushes are plain copies to the peer's buffer), so the rendezvous need not create a
-    multicast object, and torch's barrier then takes its signal-pad kernel."""
+    (its pushes are plain stores or copies into the peer's buffer, its barrier its own kernel),
+    so the rendezvous need not create a multicast object."""
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -129,7 +129,8 @@ class TPGroup:
     def push(self, ring: int, rows: int, width: int) -> torch.Tensor:
         """[N, rows, width] fp32: every rank's slot of ring ``ring`` (written since
         ``push_slot``) in rank order -- ``all_gather``'s values, through symmetric memory."""
-        self._record("push", self.exchange.slot(ring, rows, width).view(rows, width))
+        if self.trace is not None:  # the slot only names the shape and dtype
+            self._record("push", self.exchange.slot(ring, rows, width).view(rows, width))
         self.last_ring = ring
         return self.exchange.exchange(ring, rows, width)
 

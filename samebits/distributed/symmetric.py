@@ -152,10 +152,15 @@ class PushExchange:
         """Whether an exchange of ``rows`` x ``width`` fp32 values fits a ring."""
         return 0 < rows <= self.max_rows and 0 < width <= self.width
 
+    def _slot_in(self, buffer: torch.Tensor, ring: int, rows: int, width: int) -> torch.Tensor:
+        """This rank's [rows * width] slot of ring ``ring`` in ``buffer`` (its own or a peer's:
+        the same offsets)."""
+        n = rows * width
+        return buffer[ring, self.rank * n:(self.rank + 1) * n]
+
     def slot(self, ring: int, rows: int, width: int) -> torch.Tensor:
         """This rank's [rows * width] slot of its own ring ``ring``: where its sum is written."""
-        n = rows * width
-        return self.local[ring, self.rank * n:(self.rank + 1) * n]
+        return self._slot_in(self.local, ring, rows, width)
 
     def peer_slot(self, ring: int, rows: int, width: int) -> torch.Tensor | None:
         """Where ``fused``: the peer's [rows * width] slot of its ring ``ring`` for this rank's
@@ -163,19 +168,18 @@ class PushExchange:
         ``slot`` to write too; else None."""
         if not self.fused:
             return None
-        n = rows * width
         (buffer,) = self.peers.values()
-        return buffer[ring, self.rank * n:(self.rank + 1) * n]
+        return self._slot_in(buffer, ring, rows, width)
 
     def exchange(self, ring: int, rows: int, width: int) -> torch.Tensor:
         """[N, rows, width]: this rank's slot (written; and where ``fused`` the peer's slot
         too) copied into every peer's same slot unless ``fused``, then the barrier; every rank's
         sum in rank order, in this rank's ring ``ring``."""
-        n = rows * width
         mine = self.slot(ring, rows, width)
         for buffer in () if self.fused else self.peers.values():
-            buffer[ring, self.rank * n:(self.rank + 1) * n].copy_(mine)
+            self._slot_in(buffer, ring, rows, width).copy_(mine)
         self.barrier()
+        n = rows * width
         return self.local[ring, :self.world_size * n].view(self.world_size, rows, width)
 
     def probe(self) -> bool:
@@ -254,14 +258,15 @@ def open_exchange(group: Group, width: int, max_rows: int = PUSH_MAX_ROWS
                   ) -> PushExchange | None:
     """The group's exchange for up to ``max_rows`` rows of up to ``width`` values,
     ``RINGS * N * max_rows * width * 4`` bytes of device memory on each rank (logged), allocated,
-    rendezvoused and probed; None on every rank (logged) unless every rank has one. On CUDA with several ranks
-    every rank first agrees on the level (``min_int`` of each rank's ``wanted``: 0 where any
-    rank asks for none), so no rank skips an agreement its peers wait in; on CPU, or one rank,
-    every rank returns at once and issues nothing. The ranks agree again after allocating (the
-    barrier's flags zeroed and the device synchronized first, so no peer's signal lands before
-    the zeroing), so no rank enters the rendezvous alone, and after the rendezvous, so no rank
-    probes alone; a probe that raises on any rank (torch's or Triton's API differs) makes every
-    rank gather, one that returns wrong values on any rank raises on every rank."""
+    rendezvoused and probed; None on every rank (logged) unless every rank has one. On CUDA
+    with several ranks every rank first agrees on the level (``min_int`` of each rank's
+    ``wanted``: 0 where any rank asks for none), so no rank skips an agreement its peers wait
+    in; on CPU, or one rank, every rank returns at once and issues nothing. The ranks agree
+    again after allocating (the barrier's flags zeroed and the device synchronized first, so no
+    peer's signal lands before the zeroing), so no rank enters the rendezvous alone, and after
+    the rendezvous, so no rank probes alone; a probe that raises on any rank (torch's or
+    Triton's API differs) makes every rank gather, one that returns wrong values on any rank
+    raises on every rank."""
     if group.device.type != "cuda" or group.world_size == 1:
         return None
     level = group.min_int(wanted(width))

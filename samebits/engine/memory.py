@@ -20,7 +20,7 @@ import torch
 
 from samebits.config import CPU_KV_CACHE_BYTES, EngineConfig
 from samebits.engine.cuda_graph import DecodeGraphs, batch_bucket
-from samebits.engine.piecewise_graph import token_buckets
+from samebits.engine.piecewise_graph import piecewise_tokens, token_buckets
 from samebits.log import get_logger
 from samebits.ops.backend import AttentionMetadata
 
@@ -89,9 +89,8 @@ class KVBudget:
         peak: the chains share one pool and stream, and the largest is a forward of at most
         ``max_num_batched_tokens`` rows), each chain's output and the q and attention buffers;
         0 where there are none."""
-        cfg, model = self.config, self.model
-        tokens = min(cfg.max_piecewise_tokens, cfg.max_num_batched_tokens)
-        if tokens == 0 or not hasattr(model, "run_layers"):
+        model, tokens = self.model, piecewise_tokens(self.config, self.model)
+        if tokens == 0:
             return 0
         attn = model.layers[0].self_attn
         rows = sum(token_buckets(tokens)) * model.cfg.hidden_size + 2 * tokens * attn.hq * attn.d

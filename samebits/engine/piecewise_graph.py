@@ -45,6 +45,16 @@ SMALLEST_BUCKET = 16
 POWER_OF_TWO_UP_TO = 512  # buckets above are multiples of it
 
 
+def piecewise_tokens(config, model) -> int:
+    """The most tokens of a step the piecewise graphs serve (``EngineConfig``): its
+    ``max_piecewise_tokens`` capped at ``max_num_batched_tokens``; 0 (none) under
+    ``enforce_eager`` or for a model without ``run_layers`` (the decoders whose layers this
+    module cuts)."""
+    if config.enforce_eager or not hasattr(model, "run_layers"):
+        return 0
+    return min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+
+
 def token_bucket(n: int) -> int:
     """The captured token count that serves a forward of ``n`` tokens: 16, 32, ..., 512, then
     multiples of 512."""

@@ -23,7 +23,7 @@ from samebits.engine import sampler
 from samebits.engine.cuda_graph import DecodeBatch, DecodeGraphs, batch_buckets
 from samebits.engine.isolation import processed_logits
 from samebits.engine.memory import KVBudget
-from samebits.engine.piecewise_graph import PiecewiseGraphs
+from samebits.engine.piecewise_graph import PiecewiseGraphs, piecewise_tokens
 from samebits.engine.readback import ranks_of, read_tokens, row_top, start_read, top_of
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.engine.sequence import Sequence
@@ -395,10 +395,8 @@ class ModelRunner:
     def _new_piecewise(self) -> PiecewiseGraphs | None:
         """The piecewise CUDA graphs of prefill and mixed steps (None: eager, CPU, a model without
         ``run_layers``, or ``max_piecewise_tokens`` 0)."""
-        config = self.config
-        tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
-        if (self.device.type != "cuda" or config.enforce_eager or tokens == 0
-                or not hasattr(self.model, "run_layers")):
+        config, tokens = self.config, piecewise_tokens(self.config, self.model)
+        if self.device.type != "cuda" or tokens == 0:
             return None
         graphs = PiecewiseGraphs(self.model, self.kv_caches, tokens, config.block_size,
                                  config.attention_split_size, scratch_block=self.num_blocks)

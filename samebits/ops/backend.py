@@ -102,7 +102,7 @@ class OpBackend(Protocol):
         """[..., N] in the accumulation dtype: the bits of ``tree_sum(linear_partials(x, w,
         k_bounds))``, uncast (a tensor-parallel rank's sum of its own segments). ``out``: a
         contiguous tensor of that shape and dtype on x's device that receives those bits and is
-        returned (``check_sum_out``): a rank's slot of a buffer its peers read. ``peer_out``:
+        returned (``check_sum_outs``): a rank's slot of a buffer its peers read. ``peer_out``:
         another such tensor that receives the same bits (a peer's slot, mapped here)."""
         ...
 
@@ -248,17 +248,29 @@ def check_k_bounds(k_bounds: KBounds, k: int) -> None:
         raise ValueError(f"k_bounds {k_bounds} do not tile [0, {k})")
 
 
-def check_sum_out(out: torch.Tensor, x: torch.Tensor, n: int, dtype: torch.dtype,
-                  name: str = "out") -> None:
-    """Raise, naming what differs, unless ``out`` (the argument ``name``) can receive
-    ``linear_sum(x, w)``'s [..., n] ``dtype`` result as it is written: that shape and dtype, on
-    x's device, contiguous."""
+def check_sum_outs(x: torch.Tensor, n: int, dtype: torch.dtype, out: torch.Tensor | None,
+                   peer_out: torch.Tensor | None) -> None:
+    """Raise, naming the argument and what differs, unless each of ``out`` and ``peer_out``
+    that is given can receive ``linear_sum(x, w)``'s [..., n] ``dtype`` result as it is
+    written: that shape and dtype, on x's device, contiguous."""
     shape = (*x.shape[:-1], n)
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
-        raise ValueError(f"linear_sum: {name} is {tuple(out.shape)} {out.dtype} on "
-                         f"{out.device}; expected {shape} {dtype} on {x.device}")
-    if not out.is_contiguous():
-        raise ValueError(f"linear_sum: {name} must be contiguous (strides {out.stride()})")
+    for name, t in (("out", out), ("peer_out", peer_out)):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device:
+            raise ValueError(f"linear_sum: {name} is {tuple(t.shape)} {t.dtype} on "
+                             f"{t.device}; expected {shape} {dtype} on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"linear_sum: {name} must be contiguous (strides {t.stride()})")
+
+
+def into_sum_outs(total: torch.Tensor, out: torch.Tensor | None,
+                  peer_out: torch.Tensor | None) -> torch.Tensor:
+    """A backend's ``linear_sum`` result ``total`` copied into ``peer_out`` and ``out`` where
+    given (``check_sum_outs``); ``out`` where given, else ``total``."""
+    if peer_out is not None:
+        peer_out.copy_(total)
+    return total if out is None else out.copy_(total)
 
 
 def tree_sum(partials: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -30,7 +30,8 @@ from samebits.ops.backend import (
     AttentionMetadata,
     KBounds,
     check_k_bounds,
-    check_sum_out,
+    check_sum_outs,
+    into_sum_outs,
     norm_with_residual,
     register,
     sum_tree,
@@ -71,19 +72,15 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
                ) -> torch.Tensor:
     """[..., N] in the compute dtype, uncast: the segments' chains tree-summed in the kernel
     (``linear``'s segmented sum; the bits of ``tree_sum(linear_partials(...))``); copied into
-    ``out`` and ``peer_out`` when given (``check_sum_out``)."""
+    ``out`` and ``peer_out`` when given (``check_sum_outs``)."""
     *lead, k = x.shape
     n, cdt = w.shape[0], _compute_dtype(x.dtype)
     check_k_bounds(k_bounds, k)
-    for name, t in (("out", out), ("peer_out", peer_out)):
-        if t is not None:
-            check_sum_out(t, x, n, cdt, name)
+    check_sum_outs(x, n, cdt, out, peer_out)
     x2 = x.reshape(-1, k).to(cdt).contiguous()
     total = cpu_kernels.linear(x2, cpu_kernels.packed(w, cdt), n,
                                [lo for lo, _ in k_bounds] + [k]).reshape(*lead, n)
-    if peer_out is not None:
-        peer_out.copy_(total)
-    return total if out is None else out.copy_(total)
+    return into_sum_outs(total, out, peer_out)
 
 
 def _partials(x2: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:

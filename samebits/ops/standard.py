@@ -15,7 +15,8 @@ from samebits.ops import rope
 from samebits.ops.backend import (
     AttentionMetadata,
     KBounds,
-    check_sum_out,
+    check_sum_outs,
+    into_sum_outs,
     norm_with_residual,
     register,
     sum_tree,
@@ -46,15 +47,10 @@ class StandardBackend(StandardEncoderOps):
                    out: torch.Tensor | None = None, peer_out: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """``tree_sum`` of ``linear_partials``; copied into ``out`` and ``peer_out`` when given
-        (``check_sum_out``), as the reference backend does."""
+        (``check_sum_outs``), as the reference backend does."""
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        for name, t in (("out", out), ("peer_out", peer_out)):
-            if t is not None:
-                check_sum_out(t, x, w.shape[0], acc, name)
-        total = tree_sum(self.linear_partials(x, w, k_bounds))
-        if peer_out is not None:
-            peer_out.copy_(total)
-        return total if out is None else out.copy_(total)
+        check_sum_outs(x, w.shape[0], acc, out, peer_out)
+        return into_sum_outs(tree_sum(self.linear_partials(x, w, k_bounds)), out, peer_out)
 
     sum_tree = staticmethod(sum_tree)
 

@@ -2,12 +2,16 @@
 sequence's next block (``lookahead_until``), so steps are launched ahead even when some sequence
 is always at a block boundary, and the tokens and logprobs stay those of the synchronous engine.
 The CUDA graphs are stood in for by eager forwards (``tests/eager_graphs.py``), so the runner
-takes its graph branch and launches ahead on CPU. Control: without the lookahead the same
-workload launches far fewer steps ahead."""
+takes its graph branch and launches ahead on CPU. Controls: without the lookahead the same
+workload launches far fewer steps ahead; steps launched ahead that read wrong input ids change
+the outputs (the comparison sees what a served step computed)."""
 
 from __future__ import annotations
 
+import torch
+
 from samebits import LLM, SamplingParams
+from samebits.engine.runner import ModelRunner
 from tests.eager_graphs import EagerGraphs
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(8)]  # 3..10 tokens
@@ -32,3 +36,19 @@ def test_staggered_decodes_are_launched_ahead_with_the_synchronous_bits(tiny_lla
     assert got == want
     _, without = _generate(tiny_llama_dir, False)
     assert ahead >= 8 and ahead >= 3 * without, (ahead, without)
+
+
+def test_negative_control_steps_launched_ahead_with_wrong_ids_differ(tiny_llama_dir,
+                                                                      monkeypatch):
+    """Each sampled token shifted by one before a step launched ahead reads it: the served
+    steps compute other tokens, so the equality above can fail."""
+    want, _ = _generate(tiny_llama_dir, None)
+    real = ModelRunner._launch_ahead
+
+    def shifted(self, seqs, decode, tokens):
+        real(self, seqs, decode, torch.where(tokens > 1, tokens - 1, tokens + 1))
+
+    monkeypatch.setattr(ModelRunner, "_launch_ahead", shifted)
+    got, ahead = _generate(tiny_llama_dir, True)
+    assert ahead >= 8
+    assert got != want

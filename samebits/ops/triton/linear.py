@@ -49,7 +49,7 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, check_sum_out, tree_sum
+from samebits.ops.backend import KBounds, check_sum_outs, into_sum_outs, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 from samebits.ops.triton.linear_tiles import (
@@ -105,13 +105,11 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
     """[..., N] fp32: ``tree_sum(partials(x, w, k_bounds))``, uncast (a tensor-parallel rank's
     sum of its own segments), in the schedule ``run`` picks (the partials tree-summed in
     registers, or written and summed by ``_sum_partials_kernel``). ``out``: a contiguous fp32
-    [..., N] tensor on x's device the kernels store into (``check_sum_out``), returned.
+    [..., N] tensor on x's device the kernels store into (``check_sum_outs``), returned.
     ``peer_out``: another such tensor (a peer's slot, mapped on this device) into which the
     kernel that stores the sum stores each tile's same values again, as it goes."""
     layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
-    for name, t in (("out", out), ("peer_out", peer_out)):
-        if t is not None:
-            check_sum_out(t, x, w.shape[0], torch.float32, name)
+    check_sum_outs(x, w.shape[0], torch.float32, out, peer_out)
     if layout.count == 1:  # the one partial, by the split schedule's program
         return _fp32_product(x, w, layout, keep=True, out=out, peer=peer_out)[0]
     return _fp32_product(x, w, layout, keep=False, out=out, peer=peer_out)
@@ -167,7 +165,7 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
     layout; by default ``pick_config`` and ``num_segments``); benchmarks sweep these. ``out``
     [S, M, N] fp32 and no bias: the partials are left unsummed there. ``peer``: a tensor of
     out's shape, strides, dtype and device that receives out's values too, stored by the kernel
-    that stores out's (``_Plan.peer``, ``_SumPlan.peer``) from the same registers."""
+    that stores out's (``_Plan.peer``; the sum kernel's ``HAS_PEER``) from the same registers."""
     m, k = x.shape
     n = w.shape[0]
     contiguous = x.is_contiguous() and w.is_contiguous() and out.is_contiguous()
@@ -203,10 +201,7 @@ def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Ten
         _LINEAR(p.key, p.grid, x, w, bias, target, gemm_peer, *p.tail, **p.options)
     if p.partials and p.sum is None:  # a segment count the tree kernel does not take
         total = tree_sum(target)
-        total = total if b is None else total + b.float()
-        for dest in (out, peer):
-            if dest is not None:
-                dest.copy_(total)
+        into_sum_outs(total if b is None else total + b.float(), out, peer)
     elif p.partials:
         _SUM_PARTIALS(p.sum.key, p.sum.grid, target, bias, out, peer, *p.sum.tail,
                       **p.sum.options)
@@ -252,14 +247,13 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, after: torch.Tensor | N
 @dataclasses.dataclass(frozen=True)
 class _SumPlan:
     """One launch of ``_sum_partials_kernel``: its launch key, grid, the arguments after the
-    four tensors (partials, bias, out, peer output or None) and the launch options; ``peer``:
-    it stores into the peer output too."""
+    four tensors (partials, bias, out, peer output or None; the tail's last says whether it
+    stores into the peer output too) and the launch options."""
 
     key: int
     grid: tuple[int, int, int]
     tail: tuple
     options: dict
-    peer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,8 +352,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     if not fresh:
         return plan
     summed = None
-    if tree_kernel_sums(segs):  # the fresh partials buffer is aligned; align's bits 2-4: b,
-        # out, peer
+    if tree_kernel_sums(segs):  # fresh partials are aligned; align's bits 2-4: b, out, peer
         summed = _sum_plan(m * n, n, segs, out_dtype, b_dtype, pdl, 1 | (align >> 2) << 1,
                            has_peer)
     return dataclasses.replace(plan, partials=segs, sum=summed)
@@ -383,7 +376,7 @@ def _sum_plan(mn: int, n: int, segs: int, out_dtype: torch.dtype, b_dtype: torch
                                 mn % 16 == 0, mn == 1, peer))  # MN is specialized
     return _SumPlan(key, (triton.cdiv(mn, block), 1, 1),
                     (mn, n, segs, b_dtype is not None, block, pdl, peer),
-                    dict(num_warps=4, launch_pdl=pdl), peer)
+                    dict(num_warps=4, launch_pdl=pdl))
 
 
 def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
