@@ -12,8 +12,11 @@ to warm up, then timed; ``--runs N``: N times, the median's tok/s reported with 
 then the seconds its shutdown took (bounded: the ranks exit when told, rank 0 releases its side
 alone). Targets (issue: multi-GPU): batch >= 1.5x, decode-bs1 >=
 1.3x at TP 2.
-The bits agree across sizes where the backend runs the segmented K on one device
-(``row_parallel_segments``); ``tokens_sha`` lets the runs be compared. ``--push LEVEL ...``: every
+The bits agree across the sizes that share the backend's K chains (on CUDA TP 1 and TP 2: two
+chains, ``row_parallel_chains``); ``tokens_sha`` lets the runs be compared. ``--one-chain``: TP 1
+runs once more with one K chain per row-parallel linear (what one GPU ran before it ran TP 2's two
+chains), and TP 1's default is reported as a ratio to it (``ratio_to_one_chain``: the chains' cost;
+other tokens, as they must be). ``--push LEVEL ...``: every
 size above 1 runs once per level with ``SAMEBITS_TP_PUSH=LEVEL`` (bare ``--push``: 1; default 0;
 row-parallel sums pushed through symmetric memory, ``samebits.distributed.symmetric``; 2: stored
 into the peer by the GEMM itself, at TP 2), TP 1 once (a push needs peers); then per size and
@@ -42,12 +45,18 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
     import torch
 
     from samebits import LLM, SamplingParams
+    if args.one_chain_child:  # one K chain per row-parallel linear (C = N)
+        from samebits.ops.backend import one_chain_per_rank
+        from samebits.ops.triton.backend import TritonBackend
+        TritonBackend.row_parallel_chains = staticmethod(one_chain_per_rank)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
               max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False,
               max_piecewise_tokens=args.max_piecewise_tokens)
     runner = llm.engine.runner
+    down = runner.model.layers[0].mlp.down_proj
     print(json.dumps({"tp": tp, "push": os.environ.get("SAMEBITS_TP_PUSH", ""),
+                      "k_chains": tp * len(down.k_bounds),
                       "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
@@ -63,7 +72,8 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params)  # warm-up (no prefix caching: the timed run recomputes)
         seconds, ids = _timed(llm, prompts, params, args.runs)
-        print(json.dumps({"tp": tp, "workload": name, "requests": n, "prompt": prompt,
+        print(json.dumps({"tp": tp, "k_chains": tp * len(down.k_bounds), "workload": name,
+                          "requests": n, "prompt": prompt,
                           "generated": gen, "seconds": round(statistics.median(seconds), 3),
                           "tok_s": round(len(ids) / statistics.median(seconds), 1),
                           "runs_tok_s": [round(len(ids) / s, 1) for s in seconds],
@@ -118,7 +128,10 @@ def main() -> None:
                         "replay piecewise CUDA graphs; 0: eager")
     p.add_argument("--push", type=int, nargs="*", default=[0], choices=(0, 1, 2),
                    help="SAMEBITS_TP_PUSH levels, each a run of every size above 1 (bare: 1)")
+    p.add_argument("--one-chain", action="store_true",
+                   help="also run TP 1 with one K chain per row-parallel linear")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
+    p.add_argument("--one-chain-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     levels = args.push or [1]
     if args.one is not None:  # a child: its lines are printed; skip the interpreter's teardown
@@ -129,7 +142,10 @@ def main() -> None:
     for tp in args.tp:
         for level in levels if tp > 1 else levels[:1]:
             lines += _run_child(args, tp, level)
+    chain = _run_child(args, 1, levels[0], one_chain=True) if args.one_chain else []
     first = str(levels[0])
+    for d in (x for x in lines if "workload" in x and x["tp"] == 1):
+        _ratio(d, _match(chain, d), "ratio_to_one_chain")
     for d in (x for x in lines if "workload" in x):
         if d["push"] == first and d["tp"] != args.tp[0]:  # against the first size
             _ratio(d, _match(lines, d, tp=args.tp[0]), f"ratio_to_tp{args.tp[0]}")
@@ -137,13 +153,15 @@ def main() -> None:
             _ratio(d, _match(lines, d, tp=d["tp"], push=first), f"ratio_to_push{first}")
 
 
-def _run_child(args: argparse.Namespace, tp: int, level: int) -> list[dict]:
-    """One size at one push level in a process of its own (its ranks inherit
-    ``SAMEBITS_TP_PUSH``): its JSON lines, printed as they come, each with its ``push``."""
+def _run_child(args: argparse.Namespace, tp: int, level: int, one_chain: bool = False
+               ) -> list[dict]:
+    """One size at one push level (``one_chain``: with one K chain) in a process of its own
+    (its ranks inherit ``SAMEBITS_TP_PUSH``): its JSON lines, printed as they come, each with
+    its ``push``."""
     cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--scale", str(args.scale),
            "--max-piecewise-tokens", str(args.max_piecewise_tokens), "--runs", str(args.runs),
-           "--one", str(tp)]
+           "--one", str(tp), *(["--one-chain-child"] if one_chain else [])]
     env = {**os.environ, "SAMEBITS_TP_PUSH": str(level)}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False,

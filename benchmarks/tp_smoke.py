@@ -26,9 +26,9 @@ A line per phase, each with ``t`` (seconds since start):
   engine's; ``second_closed`` as ``closed``.
 - ``tp1`` and ``tp1_segmented``, then ``bits``: TP 2 against one device -- the default engine, and
   the engine with its row-parallel layers on the gathered segmented path (TP 2's arithmetic on one
-  device; the tensors are compared with ``==`` on token ids and logprobs). On CUDA the default
-  engine keeps one K chain (``TritonBackend.row_parallel_segments`` False), so ``equal_to_tp1`` is
-  expected false there and ``equal_to_tp1_segmented`` true. ``bits`` also gives each rank's
+  device; the tensors are compared with ``==`` on token ids and logprobs). One device runs TP 2's
+  K chains by default (``OpBackend.row_parallel_chains``), so both are expected true. ``bits``
+  also gives each rank's
   weight bytes as a fraction of the one-device engine's (about 0.5: each rank holds its shard).
 
 Watchdog: every process dumps its threads' stacks to stderr every ``--dump-every`` seconds (rank

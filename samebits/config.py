@@ -176,10 +176,10 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     seed: int = 0  # seeds dummy weights; per-request seeds are drawn from it when none is given
     # ranks the model is sharded over (samebits.models.parallel; ranks 1.. are spawned
-    # processes, samebits.engine.executor); 1: one device. Under tensor parallel the invariant
-    # arithmetic is the segmented one, so every N dividing the KV heads gives the same bits, and
-    # those of one device where its backend runs the segments too (``row_parallel_segments``:
-    # the CPU backend); the standard mode promises nothing across N
+    # processes, samebits.engine.executor); 1: one device. The invariant arithmetic runs the
+    # row-parallel linears as the backend's K chains (``OpBackend.row_parallel_chains``), so
+    # every N sharing them gives the same bits: on CPU every N dividing the KV heads, on CUDA
+    # N = 1 and 2; the standard mode promises nothing across N
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

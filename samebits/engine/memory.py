@@ -24,6 +24,10 @@ from samebits.engine.piecewise_graph import piecewise_tokens, token_buckets
 from samebits.log import get_logger
 from samebits.ops.backend import AttentionMetadata
 
+# torch's caching allocator: blocks up to 1 MiB come from 2 MiB segments, larger ones from
+# segments of at least 20 MiB; a graph's private pool rounds to these
+_SMALL_SEGMENT, _LARGE_SEGMENT = 2 << 20, 20 << 20
+
 log = get_logger("engine")
 
 
@@ -87,14 +91,16 @@ class KVBudget:
     def _piecewise_reserve(self, pool_bound: int) -> int:
         """The piecewise graphs' bytes: their pool, at most ``pool_bound`` (the eager prefill's
         peak: the chains share one pool and stream, and the largest is a forward of at most
-        ``max_num_batched_tokens`` rows), each chain's output and the q and attention buffers;
-        0 where there are none."""
+        ``max_num_batched_tokens`` rows), each chain's output and the q and attention buffers,
+        and the caching allocator's rounding of a private pool: two large segments, a small
+        one per chain; 0 where there are none."""
         model, tokens = self.model, piecewise_tokens(self.config, self.model)
         if tokens == 0:
             return 0
-        attn = model.layers[0].self_attn
-        rows = sum(token_buckets(tokens)) * model.cfg.hidden_size + 2 * tokens * attn.hq * attn.d
-        return pool_bound + rows * self.dtype.itemsize
+        attn, buckets = model.layers[0].self_attn, token_buckets(tokens)
+        rows = sum(buckets) * model.cfg.hidden_size + 2 * tokens * attn.hq * attn.d
+        rounding = 2 * _LARGE_SEGMENT + len(buckets) * _SMALL_SEGMENT
+        return pool_bound + rows * self.dtype.itemsize + rounding
 
     def _peak(self, fn) -> int:
         torch.cuda.synchronize(self.device)

@@ -98,8 +98,9 @@ def load(config: EngineConfig, group: TPGroup | None = None) -> LoadedModel:
 def numerics_fingerprint(config: EngineConfig, model_config: ModelConfig, ops, digest: str
                          ) -> str:
     """A decoder's fingerprint from its weights digest: at load, and after an in-place update."""
-    return fingerprint(digest, config.torch_dtype, config, ops.name, model_config,
-                       ops.row_parallel_segments or config.tensor_parallel_size > 1)
+    chains = ops.row_parallel_chains(model_config.num_key_value_heads,
+                                     config.tensor_parallel_size)
+    return fingerprint(digest, config.torch_dtype, config, ops.name, model_config, chains)
 
 
 def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.device | str,
@@ -117,16 +118,15 @@ def build_model(model_config: ModelConfig, ops, max_len: int, device: torch.devi
 
 
 def fingerprint(digest: str, dtype: torch.dtype, config: EngineConfig, backend: str,
-                model_config: ModelConfig | None = None, segmented: bool = True) -> str:
+                model_config: ModelConfig | None = None, chains: int = 1) -> str:
     """``fp_`` + 16 hex: everything that decides the bits of a token's KV and logits. A backend's
     own constants (the CPU tile and kernel arithmetic, the Triton block sizes) arrive in its name;
-    a decoder's row-parallel K segments (``model_config``; 1 where its linears run one K chain,
-    ``segmented`` False) in ``k-segments``; the standard mode's tensor-parallel size, which
-    changes its bits, in ``tp``."""
+    a decoder's (``model_config``) row-parallel K chains (``OpBackend.row_parallel_chains``) in
+    ``k-chains``; the standard mode's tensor-parallel size, which changes its bits, in ``tp``."""
     parts = [digest, str(dtype), ENGINE_VERSION, backend, f"split={config.attention_split_size}",
              f"invariant={config.batch_invariant}"]
     if model_config is not None:
-        parts.append(f"k-segments={model_config.num_key_value_heads if segmented else 1}")
+        parts.append(f"k-chains={chains}")
         if not config.batch_invariant:
             parts.append(f"tp={config.tensor_parallel_size}")
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

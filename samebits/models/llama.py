@@ -72,7 +72,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool) -> None:
+    """``chains``: o_proj's K chains (``OpBackend.row_parallel_chains``), as MLP's down_proj."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup, chains: int, qk_norm: bool,
+                 bias: bool) -> None:
         super().__init__()
         self.d, self.eps = cfg.head_dim, cfg.rms_norm_eps
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.d, cfg.num_attention_heads,
@@ -80,7 +83,7 @@ class Attention(nn.Module):
         self.hq, self.hkv = self.qkv_proj.hq, self.qkv_proj.hkv  # this rank's heads
         # segment g of o_proj's K: KV group g's columns
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size,
-                                        cfg.num_key_value_heads, group, into_norm=True)
+                                        cfg.num_key_value_heads, group, chains, into_norm=True)
         self.q_norm = replicated_param(self.d) if qk_norm else None
         self.k_norm = replicated_param(self.d) if qk_norm else None
 
@@ -100,13 +103,14 @@ class MLP(nn.Module):
     """SwiGLU. ``into_norm``: its output goes straight into the residual add + norm (a decoder
     layer's MLP), so it may be a ``PendingRankSum``; else always a tensor."""
 
-    def __init__(self, cfg: ModelConfig, group: TPGroup, into_norm: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup, chains: int,
+                 into_norm: bool = False) -> None:
         super().__init__()
         inter, segments = cfg.intermediate_size, cfg.num_key_value_heads
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], segments, group,
                                                  cfg.mlp_bias)  # [gate; up]
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, cfg.mlp_bias,
-                                           into_norm)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, segments, group, chains,
+                                           cfg.mlp_bias, into_norm)
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> Hidden:
         gate, up = self.gate_up_proj(ops, h).chunk(2, dim=-1)
@@ -125,13 +129,14 @@ def add_norm(ops: OpBackend, h: Hidden, w: torch.Tensor, eps: float,
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup, chains: int, qk_norm: bool,
+                 bias: bool) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = replicated_param(cfg.hidden_size)
         self.post_attention_layernorm = replicated_param(cfg.hidden_size)
-        self.self_attn = Attention(cfg, group, qk_norm, bias)
-        self.mlp = MLP(cfg, group, into_norm=True)
+        self.self_attn = Attention(cfg, group, chains, qk_norm, bias)
+        self.mlp = MLP(cfg, group, chains, into_norm=True)
 
     def forward(self, ops: OpBackend, h: Hidden, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -159,9 +164,10 @@ class LlamaForCausalLM(nn.Module):
         bias = arch.resolve("attention_bias", cfg.attention_bias)
         tied = arch.resolve("tie_word_embeddings", cfg.tie_word_embeddings)
         segments = cfg.num_key_value_heads
+        chains = ops.row_parallel_chains(segments, group.world_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, segments,
                                                    group)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, group, arch.qk_norm, bias, i)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, group, chains, arch.qk_norm, bias, i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = replicated_param(cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, segments, group,
@@ -171,10 +177,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
-    def decoder_layer(self, cfg: ModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
-                      index: int) -> nn.Module:
+    def decoder_layer(self, cfg: ModelConfig, group: TPGroup, chains: int, qk_norm: bool,
+                      bias: bool, index: int) -> nn.Module:
         """Layer ``index`` (a subclass varies it: ``samebits.models.moe``'s sparse layers)."""
-        return DecoderLayer(cfg, group, qk_norm, bias)
+        return DecoderLayer(cfg, group, chains, qk_norm, bias)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's K (or V) cache on this rank: its KV heads only."""

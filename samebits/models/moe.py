@@ -38,7 +38,7 @@ from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
 class SparseMoeBlock(nn.Module):
     """Router + ``E`` SwiGLU experts (+ Qwen2-MoE's gated shared expert) over [T, H] tokens."""
 
-    def __init__(self, cfg: MoeModelConfig, group: TPGroup) -> None:
+    def __init__(self, cfg: MoeModelConfig, group: TPGroup, chains: int) -> None:
         super().__init__()
         moe = self.moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size
@@ -48,7 +48,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             shared = dataclasses.replace(cfg, intermediate_size=moe.shared_expert_intermediate_size)
-            self.shared_expert = MLP(shared, group)
+            self.shared_expert = MLP(shared, group, chains)
             self.shared_expert_gate = replicated_param(1, h)
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> torch.Tensor:
@@ -69,15 +69,15 @@ class SparseMoeBlock(nn.Module):
 class MoeDecoderLayer(DecoderLayer):
     """The Llama layer (``DecoderLayer.forward``) with a sparse block or a dense MLP."""
 
-    def __init__(self, cfg: MoeModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
-                 index: int) -> None:
+    def __init__(self, cfg: MoeModelConfig, group: TPGroup, chains: int, qk_norm: bool,
+                 bias: bool, index: int) -> None:
         nn.Module.__init__(self)
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = replicated_param(cfg.hidden_size)
         self.post_attention_layernorm = replicated_param(cfg.hidden_size)
-        self.self_attn = Attention(cfg, group, qk_norm, bias)
-        self.mlp = (SparseMoeBlock(cfg, group) if cfg.moe.is_sparse(index)
-                    else MLP(cfg, group))
+        self.self_attn = Attention(cfg, group, chains, qk_norm, bias)
+        self.mlp = (SparseMoeBlock(cfg, group, chains) if cfg.moe.is_sparse(index)
+                    else MLP(cfg, group, chains))
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -90,9 +90,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                              "(mixture of experts) runs on one device only")
         super().__init__(cfg, ops, max_model_len, group)
 
-    def decoder_layer(self, cfg: MoeModelConfig, group: TPGroup, qk_norm: bool, bias: bool,
-                      index: int) -> nn.Module:
-        return MoeDecoderLayer(cfg, group, qk_norm, bias, index)
+    def decoder_layer(self, cfg: MoeModelConfig, group: TPGroup, chains: int, qk_norm: bool,
+                      bias: bool, index: int) -> nn.Module:
+        return MoeDecoderLayer(cfg, group, chains, qk_norm, bias, index)
 
     # ---- HF names ------------------------------------------------------------------------
     @property

@@ -8,14 +8,16 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   output column does not depend on the other columns). A fused layer (``QKVParallelLinear``; gate
   and up, two ``output_sizes``) splits each packed shard the same way, so a rank's q/k/v rows are
   its KV groups' and its gate/up rows the intermediate slices its down_proj columns multiply.
-- ``RowParallelLinear``: input columns split; owns the segmented-K arithmetic. A rank computes one
-  fp32 partial product per owned K segment; the S partials are added in ``tree_sum``'s balanced
-  tree order, cast once, then the bias is added: on one device ``ops.linear(..., k_bounds)``
-  computes exactly this in one call (``samebits.ops.backend``). Where a rank's S/N segments form a
-  subtree of that tree (``rank_blocks_are_subtrees``: N a power of two dividing S, among others),
-  the rank tree-sums its own partials and the ranks gather one fp32 [..., H] sum each, tree-summed
-  in rank order; otherwise every partial is gathered and tree-summed. So N = 1, 2, 3... give the
-  same bits. The standard mode all-reduces one local product instead (its bits depend on N).
+- ``RowParallelLinear``: input columns split; owns the K-chain arithmetic. Its S segments run as
+  C chains (``OpBackend.row_parallel_chains``: C divides S, N divides C; chain j is segments
+  [j S/C, (j+1) S/C) merged). A rank computes one fp32 partial product per owned chain; the C
+  partials are added in ``tree_sum``'s balanced tree order, cast once, then the bias is added: on
+  one device ``ops.linear(..., k_bounds)`` computes exactly this in one call
+  (``samebits.ops.backend``). Where a rank's C/N chains form a subtree of that tree
+  (``rank_blocks_are_subtrees``: N a power of two dividing C, among others), the rank tree-sums
+  its own partials and the ranks gather one fp32 [..., H] sum each, tree-summed in rank order;
+  otherwise every partial is gathered and tree-summed. So every N dividing C gives the same bits.
+  The standard mode all-reduces one local product instead (its bits depend on N).
   A layer built ``into_norm`` (its output goes straight into the decoder's residual add +
   RMSNorm: o_proj, a decoder MLP's down_proj) hands that norm the gathered sums unsummed, a
   ``PendingRankSum``, where the backend sums them there (``sums_in_norm``) and there is no bias.
@@ -42,7 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.distributed.group import TPGroup
-from samebits.ops.backend import KBounds, OpBackend, bounds, rank_blocks_are_subtrees
+from samebits.ops.backend import (
+    KBounds,
+    OpBackend,
+    bounds,
+    chain_bounds,
+    rank_blocks_are_subtrees,
+)
 from samebits.ops.pending_rank_sum import PendingRankSum
 
 
@@ -71,12 +79,14 @@ class ShardSpec:
         """Every rank's length of shard ``shard`` along ``dim``, in rank order."""
         return [hi - lo for lo, hi in (self.span(shard, r) for r in range(self.world_size))]
 
-    def local_bounds(self, shard: int = 0) -> KBounds:
-        """This rank's owned segments of shard ``shard``, re-based to its own columns."""
-        per = self.segments // self.world_size
-        cuts = bounds(self.full_sizes[shard], self.segments)[self.rank * per:(self.rank + 1) * per]
-        lo = cuts[0][0]
-        return tuple((a - lo, b - lo) for a, b in cuts)
+    def local_chains(self, chains: int, shard: int = 0) -> KBounds:
+        """This rank's K chains of shard ``shard`` (``chain_bounds``: ``chains`` chains over the
+        segments, rank r owning chains [r C/N, (r+1) C/N)), re-based to its own columns."""
+        per = chains // self.world_size
+        mine = chain_bounds(self.full_sizes[shard], self.segments, chains)[
+            self.rank * per:(self.rank + 1) * per]
+        lo = mine[0][0]
+        return tuple((a - lo, b - lo) for a, b in mine)
 
 
 def check_divides(group: TPGroup, segments: int) -> None:
@@ -141,33 +151,39 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """x [..., this rank's K columns] -> [..., N], summed over every rank's K segments.
+    """x [..., this rank's K columns] -> [..., N], summed over every rank's K chains: ``chains``
+    C (``OpBackend.row_parallel_chains``) over the ``segments`` S, N dividing C dividing S.
     ``into_norm``: the output is only ever the x of ``ops.rms_norm(x, w, eps, residual)``, which
     may then be handed a ``PendingRankSum`` (``gathered``)."""
 
     def __init__(self, input_size: int, output_size: int, segments: int, group: TPGroup,
-                 bias: bool = False, into_norm: bool = False) -> None:
+                 chains: int, bias: bool = False, into_norm: bool = False) -> None:
         super().__init__()
         check_divides(group, segments)
+        if segments % chains or chains % group.world_size:
+            raise ValueError(f"{chains} K chains: must divide the {segments} KV heads and be "
+                             f"divided by tensor_parallel_size={group.world_size}")
         self.group, self.into_norm = group, into_norm
         spec = ShardSpec(1, (input_size,), segments, group.rank, group.world_size)
         lo, hi = spec.span(0)
         self.weight = _param(spec, output_size, hi - lo)
         self.bias = replicated_param(output_size) if bias else None
-        # this rank's K segments, in its own columns; None: one K chain (a negative control)
-        self.k_bounds: KBounds | None = spec.local_bounds()
-        # this rank's segments are a subtree of the S-partial tree: it gathers one sum, not S/N
-        self.local_subtree = rank_blocks_are_subtrees(segments, group.world_size)
+        # this rank's K chains, in its own columns; None: one K chain (a negative control)
+        self.k_bounds: KBounds | None = spec.local_chains(chains)
+        # this rank's chains are a subtree of the C-partial tree: it gathers one sum, not C/N
+        self.local_subtree = rank_blocks_are_subtrees(chains, group.world_size)
         # the group's ring this layer pushes its sum through (``TPGroup.reserve_push``)
         self.ring = (group.reserve_push(output_size)
                      if self.local_subtree and group.world_size > 1 else 0)
 
     def segments(self, ops: OpBackend) -> KBounds | None:
-        """The K segments in force: the backend's choice on one device; under tensor parallel
-        the invariant mode always runs them (the standard mode never)."""
-        if self.group.world_size == 1:
-            return self.k_bounds if ops.row_parallel_segments else None
-        return self.k_bounds if ops.batch_invariant else None
+        """The K chains in force: on one device those the layer was built with (None for one);
+        under tensor parallel the invariant mode runs them (the standard mode never)."""
+        one_chain = self.k_bounds is None or (self.group.world_size == 1
+                                              and len(self.k_bounds) == 1)
+        if one_chain or (self.group.world_size > 1 and not ops.batch_invariant):
+            return None
+        return self.k_bounds
 
     def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         if self.group.world_size == 1:

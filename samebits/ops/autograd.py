@@ -336,7 +336,7 @@ class DifferentiableOps:
     def __init__(self, inner: OpBackend) -> None:
         self.inner = inner
         self.name, self.batch_invariant = inner.name, inner.batch_invariant
-        self.row_parallel_segments = inner.row_parallel_segments
+        self.row_parallel_chains = inner.row_parallel_chains
         self.sums_in_norm = False  # the differentiable norm takes tensors
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

@@ -17,18 +17,21 @@ K segment, each accumulated from zero in the backend's accumulation dtype (fp32;
 inputs) exactly as ``linear`` would compute the product of that segment's columns alone, adds the
 partials in the fixed balanced tree order of ``tree_sum``, casts once to x's dtype and then adds
 the bias. ``linear_partials`` returns those partials unsummed, ``linear_sum`` their tree sum
-uncast. A tensor-parallel rank computes its own segments' partials; where the ranks' blocks of S/N
-segments are subtrees of that tree (``rank_blocks_are_subtrees``: N a power of two dividing S,
-among others) each rank sums its own block (``linear_sum``) and the N block sums are tree-summed
-and cast (``sum_tree``), else every partial is gathered and ``sum_tree``'d: either way one device
-and N ranks give the same bits. Invariant backends must honour ``k_bounds``; the
-standard backends ignore it in ``linear`` (stock ``F.linear``: the negative control, not
-TP-invariant).
+uncast. A decoder's row-parallel segments are its KV-head segments run as the backend's K chains
+(``row_parallel_chains``, ``chain_bounds``). A tensor-parallel rank computes its own chains'
+partials; where the ranks' blocks of C/N chains are subtrees of that tree
+(``rank_blocks_are_subtrees``: N a power of two dividing C, among others) each rank sums its own
+block (``linear_sum``) and the N block sums are tree-summed and cast (``sum_tree``), else every
+partial is gathered and ``sum_tree``'d: either way one device and N ranks give the same bits.
+Invariant backends must honour ``k_bounds``; the standard backends ignore it in ``linear`` (stock
+``F.linear``: the negative control, not TP-invariant).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -77,12 +80,15 @@ class OpBackend(Protocol):
 
     name: str
     batch_invariant: bool
-    # whether a decoder's row-parallel linears (o_proj, down_proj) run over their K segments by
-    # default, i.e. one device computes the bits of every tensor-parallel size
-    row_parallel_segments: bool
     # whether ``rms_norm(x, w, eps, residual)`` takes a row-parallel layer's ``PendingRankSum`` as
     # x (the ranks' gathered sums, added in the norm's kernel); else the layer resolves it first
     sums_in_norm: bool
+
+    def row_parallel_chains(self, segments: int, world_size: int) -> int:
+        """How many K chains a decoder's row-parallel linears (o_proj, down_proj) run over their
+        S = ``segments`` segments at tensor-parallel size N = ``world_size``: C, a divisor of S
+        that N divides (``chain_bounds``). Every N dividing C gives the same bits."""
+        ...
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:
@@ -237,6 +243,41 @@ def row_parallel_bounds(k: int, num_segments: int) -> KBounds:
     """The K segments of a row-parallel weight with ``k`` input columns: ``bounds(k, S)``, S the
     model's KV heads. For o_proj (k = Hq D, a multiple of S) segment g is KV group g's columns."""
     return tuple(bounds(k, num_segments))
+
+
+def every_segment(segments: int, world_size: int) -> int:
+    """C = S: every KV-head segment its own chain (where a chain restarts at no cost: the CPU
+    kernel's); every N dividing S gives the same bits."""
+    return segments
+
+
+def paired_chains(segments: int, world_size: int) -> int:
+    """The fewest chains N ranks can share and one device computes at nearly one chain's cost:
+    C = lcm(2, N) where it divides S (one device and two ranks: the same two chains), else N."""
+    chains = math.lcm(2, world_size)
+    return chains if segments % chains == 0 else world_size
+
+
+def one_chain_per_rank(segments: int, world_size: int) -> int:
+    """C = N: each rank one stock product (the standard mode; its bits depend on N)."""
+    return world_size
+
+
+@functools.lru_cache(maxsize=256)
+def chain_bounds(k: int, segments: int, chains: int) -> KBounds:
+    """The K bounds of ``chains`` chains over ``row_parallel_bounds(k, segments)``: chain j is
+    segments [j S/C, (j + 1) S/C) merged (a rank owning whole segments owns whole chains)."""
+    if chains < 1 or segments % chains:
+        raise ValueError(f"{chains} K chains do not divide the {segments} KV-head segments")
+    cuts, per = bounds(k, segments), segments // chains
+    return tuple((cuts[j * per][0], cuts[(j + 1) * per - 1][1]) for j in range(chains))
+
+
+def one_device_bounds(ops: OpBackend, k: int, segments: int) -> KBounds | None:
+    """The K bounds ``ops`` runs a one-device row-parallel weight of ``k`` columns over (S =
+    ``segments``: the model's KV heads); None: one chain."""
+    chains = ops.row_parallel_chains(segments, 1)
+    return chain_bounds(k, segments, chains) if chains > 1 else None
 
 
 def check_k_bounds(k_bounds: KBounds, k: int) -> None:

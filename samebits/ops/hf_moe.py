@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from samebits.ops.autograd import DifferentiableOps
-from samebits.ops.backend import get_backend, row_parallel_bounds
+from samebits.ops.backend import get_backend, one_device_bounds
 from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
 
 _BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
@@ -56,8 +56,7 @@ def _shared(ops, module: torch.nn.Module, x: torch.Tensor, heads: int
         return None, None
     gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
     gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)
-    bounds = (row_parallel_bounds(mlp.down_proj.weight.shape[1], heads)
-              if ops.row_parallel_segments else None)
+    bounds = one_device_bounds(ops, mlp.down_proj.weight.shape[1], heads)
     shared = ops.linear(ops.silu_mul(gate, up, bounds), mlp.down_proj.weight, k_bounds=bounds)
     return shared, sigmoid_gate(ops, ops.linear(x, module.shared_expert_gate.weight))
 

@@ -18,10 +18,10 @@ are replaced by the invariant implementations of ``get_backend(device, batch_inv
 - transformers' ``"sdpa"`` attention (its ``AttentionInterface`` registry entry, while transformers
   is imported): the engine's paged split attention (``samebits.ops.hf_attention``);
 - the row-parallel linears of an HF decoder (the ``o_proj`` / ``down_proj`` ``nn.Linear`` of a
-  module whose ``config`` has ``num_key_value_heads``): the engine's segmented K
-  (``samebits.ops.backend.row_parallel_bounds``). A global module forward pre-hook
+  module whose ``config`` has ``num_key_value_heads``): the engine's K chains on one device
+  (``samebits.ops.backend.one_device_bounds``). A global module forward pre-hook
   registers their weights as such a module runs; ``mm`` / ``addmm`` of a registered weight then
-  pass its K segments to the backend's ``linear``, as the engine's decoder does.
+  pass its K chains to the backend's ``linear``, as the engine's decoder does.
 
 The decision: the override maps HF's ops onto the engine's arithmetic, never the reverse. The engine
 keeps one reference arithmetic per op (tiled linear, tiled stock mean / softmax / log_softmax,
@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from samebits.ops.backend import KBounds, OpBackend, get_backend, row_parallel_bounds
+from samebits.ops.backend import KBounds, OpBackend, get_backend, one_device_bounds
 from samebits.ops.tiles import by_tiles
 
 __all__ = ["batch_invariant", "is_batch_invariant_enabled"]
@@ -96,7 +96,7 @@ def _scaled(out: torch.Tensor, bias: torch.Tensor, beta: float, alpha: float) ->
 ROW_PARALLEL = ("o_proj", "down_proj")  # the HF Llama family's names (the engine's too)
 # (data_ptr, shape, stride, dtype, device) of a registered weight's transpose -- the operand
 # F.linear hands to mm / addmm -- -> (a weak reference to the weight, its K segments)
-_row_parallel: dict[tuple, tuple[weakref.ref, KBounds]] = {}
+_row_parallel: dict[tuple, tuple[weakref.ref, int]] = {}
 
 
 def _operand_key(t: torch.Tensor) -> tuple:
@@ -112,12 +112,12 @@ def _register_row_parallel(module: torch.nn.Module, args: tuple) -> None:
     for name, sub in module.named_modules():
         if name.rpartition(".")[2] in ROW_PARALLEL and isinstance(sub, torch.nn.Linear):
             w = sub.weight
-            _row_parallel[_operand_key(w.t())] = (weakref.ref(w),
-                                                  row_parallel_bounds(w.shape[1], heads))
+            _row_parallel[_operand_key(w.t())] = (weakref.ref(w), heads)
 
 
-def _k_bounds(b: torch.Tensor) -> KBounds | None:
-    """The K segments of mm's operand ``b`` if it is a live registered weight's transpose."""
+def _registered_heads(b: torch.Tensor) -> int | None:
+    """The KV heads mm's operand ``b`` was registered with, if it is a live registered weight's
+    transpose."""
     entry = _row_parallel.get(_operand_key(b))
     if entry is None:
         return None
@@ -128,8 +128,10 @@ def _k_bounds(b: torch.Tensor) -> KBounds | None:
 # ----- the invariant implementations (called with the stock kernels active) -----
 
 def _segments(backend: OpBackend, b: torch.Tensor) -> KBounds | None:
-    """``_k_bounds(b)`` where ``backend`` segments row-parallel linears (as the engine does)."""
-    return _k_bounds(b) if backend.row_parallel_segments else None
+    """The K chains ``backend`` runs mm's operand ``b`` over if it is a registered row-parallel
+    weight (as the engine's decoder does on one device), else None."""
+    heads = _registered_heads(b)
+    return None if heads is None else one_device_bounds(backend, b.shape[0], heads)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from samebits.ops.backend import (
     KBounds,
     check_k_bounds,
     check_sum_outs,
+    every_segment,
     into_sum_outs,
     norm_with_residual,
     register,
@@ -230,7 +231,7 @@ class ReferenceBackend(InvariantEncoderOps):
     # the constants that decide the bits enter the CPU fingerprint through this name
     name = f"reference-cpu|tile_m={TILE_M}|{cpu_kernels.ARITHMETIC}"
     batch_invariant = True
-    row_parallel_segments = True  # in-kernel segments: free
+    row_parallel_chains = staticmethod(every_segment)  # the C++ chain restarts for free
     sums_in_norm = False
 
     linear = staticmethod(linear)

@@ -18,6 +18,7 @@ from samebits.ops.backend import (
     check_sum_outs,
     into_sum_outs,
     norm_with_residual,
+    one_chain_per_rank,
     register,
     sum_tree,
     tree_sum,
@@ -29,7 +30,7 @@ from samebits.ops.encoder import StandardEncoderOps
 class StandardBackend(StandardEncoderOps):
     name = "standard"
     batch_invariant = False
-    row_parallel_segments = False  # stock kernels pick their own K order
+    row_parallel_chains = staticmethod(one_chain_per_rank)  # stock kernels pick the K order
     sums_in_norm = False
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

@@ -106,7 +106,7 @@ def test_rank_sum_replayed_from_a_graph_equals_eager(m):
 def test_gathered_on_one_gpu_is_the_segmented_linear(segments):
     """The tensor-parallel path at world size 1 (linear_sum, sum_tree, then the bias) gives one
     GPU's ``linear(x, w, b, k_bounds)``."""
-    layer = RowParallelLinear(1536, 512, segments, TPGroup(0, 1), bias=True).cuda()
+    layer = RowParallelLinear(1536, 512, segments, TPGroup(0, 1), segments, bias=True).cuda()
     x, w = _data((37,), 1536, 512, torch.bfloat16, seed=segments)
     layer.weight.data = w
     layer.bias.data = torch.randn(512, device="cuda").bfloat16()

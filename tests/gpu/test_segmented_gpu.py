@@ -128,15 +128,10 @@ def uneven_config(tmp_path_factory) -> str:
     return str(path)
 
 
-def _cuda_segments() -> bool:
-    from samebits.ops.triton.backend import TritonBackend
-    return TritonBackend.row_parallel_segments
-
-
-@pytest.mark.xfail(not _cuda_segments(), strict=True,
-                   reason="on CUDA the default keeps one K chain (TritonBackend.row_parallel_segments)")
 @pytest.mark.parametrize("which", ["qwen3-tiny", "uneven"])
 def test_default_engine_equals_one_rank_tp_model(which, uneven_config):
+    """One GPU runs the K chains of every TP size its chain count allows (qwen3-tiny: 2 KV heads,
+    two chains; uneven: 3 KV heads, one chain) on its one-device path."""
     config = QWEN3_TINY if which == "qwen3-tiny" else uneven_config
     prompts = [[3 + i] * (5 + 37 * i) for i in range(6)]
     params = [SamplingParams(max_tokens=24, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)

@@ -1,9 +1,9 @@
 """Tensor parallel on two GPUs (NCCL); skipped without 2 CUDA devices.
 
 What the tests prove: TP 2 (CUDA graphs, each rank's own KV cache and graphs) returns bitwise the
-tokens and logprobs of one GPU computing the same segmented-K arithmetic (its row-parallel
-layers on their gathered-partials path), and of the default one-GPU engine where that engine runs
-the segments too (``TritonBackend.row_parallel_segments``; strict xfail until then); a
+tokens and logprobs of one GPU computing the same K-chain arithmetic (its row-parallel layers
+on their gathered path), and of the default one-GPU engine, which runs TP 2's two K chains
+(``TritonBackend.row_parallel_chains``; one K chain instead differs: negative control); a
 Qwen3-8B-shaped model starts at TP 2 with the default memory settings and each rank holds about
 half of its weights; the standard mode (an NCCL all-reduce of the partial sums) differs from its
 one-GPU bits (negative control); a killed rank makes ``generate`` raise naming it within 30 s;
@@ -64,15 +64,16 @@ def test_tp_2_equals_one_gpu_on_the_segmented_path(tp2):
     assert _generate(llm) == tp2
 
 
-def _cuda_segments() -> bool:
-    from samebits.ops.triton.backend import TritonBackend
-    return TritonBackend.row_parallel_segments
-
-
-@pytest.mark.xfail(not _cuda_segments(), strict=True,
-                   reason="on CUDA one GPU keeps one K chain (TritonBackend.row_parallel_segments)")
 def test_tp_2_equals_tp_1_default_engine(tp2):
     assert _generate(LLM(TINY, **OPTIONS)) == tp2
+
+
+def test_negative_control_one_gpu_with_one_k_chain_differs_from_tp_2(tp2):
+    llm = LLM(TINY, enforce_eager=True, **OPTIONS)  # eager: the chains are read as it runs
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, RowParallelLinear):
+            m.k_bounds = None
+    assert _generate(llm) != tp2
 
 
 def test_negative_control_standard_mode_all_reduce_differs_from_one_gpu():

@@ -77,7 +77,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     torch.cuda.set_device(rank)
     ops = TritonBackend()
     group = TPGroup(rank, 2, torch.device("cuda", rank))
-    layers = [RowParallelLinear(K, H, S, group).cuda() for _ in range(2)]  # rings 0 and 1
+    layers = [RowParallelLinear(K, H, S, group, S).cuda() for _ in range(2)]  # rings 0 and 1
     group.connect(f"tcp://127.0.0.1:{port}")
     g = torch.Generator(device="cuda").manual_seed(0)  # the same full weights on both ranks
     w = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
@@ -346,7 +346,7 @@ def _mixed_rank(rank: int, port: int, out: str, levels: tuple[str, str]) -> None
     os.environ["SAMEBITS_TP_PUSH"] = levels[rank]
     torch.cuda.set_device(rank)
     ops, group = TritonBackend(), TPGroup(rank, 2, torch.device("cuda", rank))
-    layer = RowParallelLinear(K, H, S, group).cuda()
+    layer = RowParallelLinear(K, H, S, group, S).cuda()
     group.connect(f"tcp://127.0.0.1:{port}")
     lo, hi = layer.weight.spec.span(0)
     mine = _data(7, seed=7)[:, lo:hi].contiguous()

@@ -103,7 +103,7 @@ def test_weight_loader_reads_only_the_ranks_rows_and_columns(tmp_path):
     tensors = {"o": torch.randn(12, 8, generator=g), "q": torch.randn(8 * 4, 6, generator=g),
                "k": torch.randn(2 * 4, 6, generator=g), "v": torch.randn(2 * 4, 6, generator=g)}
     save_file(tensors, str(tmp_path / "w.safetensors"))
-    row = RowParallelLinear(8, 12, segments=2, group=TPGroup(1, 2))  # columns [4, 8)
+    row = RowParallelLinear(8, 12, segments=2, group=TPGroup(1, 2), chains=2)  # columns [4, 8)
     qkv = QKVParallelLinear(6, 4, hq=8, hkv=2, group=TPGroup(1, 2))  # KV group 1's rows
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
         o = Recording(f.get_slice("o"))

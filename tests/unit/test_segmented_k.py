@@ -113,7 +113,7 @@ def test_rank_spans_are_whole_segments(n):
         assert o[r].span(0) == (r * per * 32, (r + 1) * per * 32)  # 2 heads of 16 per group
         cuts = bounds(200, 6)[r * per:(r + 1) * per]
         assert down[r].span(0) == (cuts[0][0], cuts[-1][1])
-        assert down[r].local_bounds() == tuple((a - cuts[0][0], b - cuts[0][0]) for a, b in cuts)
+        assert down[r].local_chains(6) == tuple((a - cuts[0][0], b - cuts[0][0]) for a, b in cuts)
     assert [s.span(0) for s in down][-1][1] == 200 and sum(down[0].sizes(0)) == 200
     assert bounds(200, 6) == [(0, 34), (34, 68), (68, 101), (101, 134), (134, 167), (167, 200)]
     assert row_parallel_bounds(192, 3) == ((0, 64), (64, 128), (128, 192))
@@ -197,7 +197,7 @@ def test_row_parallel_ranks_gather_one_sum_each_where_blocks_are_subtrees(s, n, 
     b = torch.randn(h).to(torch.bfloat16)
     want = OPS.linear(x, w, b, k_bounds=row_parallel_bounds(k, s))
     exchanged: dict[int, torch.Tensor] = {}
-    layers = [RowParallelLinear(k, h, s, _Exchange(r, n, exchanged), bias=True) for r in range(n)]
+    layers = [RowParallelLinear(k, h, s, _Exchange(r, n, exchanged), s, bias=True) for r in range(n)]
     for layer in layers:
         lo, hi = layer.weight.spec.span(0)
         layer.weight.data, layer.bias.data = w[:, lo:hi].clone(), b.clone()

@@ -488,7 +488,7 @@ def _layers_and_inputs(group: TPGroup, steps: list[tuple[int, ...]]):
     same full weights, and each step's input slice; the full ones for one device."""
     full, layers, inputs = [], [], []
     for i in range(2):
-        layer = RowParallelLinear(K, H, S, group)
+        layer = RowParallelLinear(K, H, S, group, S)
         _, w = _data((1,), K, H, seed=100 + i)
         lo, hi = layer.weight.spec.span(0)
         layer.weight.data = w[:, lo:hi].contiguous()

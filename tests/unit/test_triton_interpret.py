@@ -107,7 +107,7 @@ def test_segmented_tiles_take_a_block_k_that_divides_every_segment(m: int) -> No
     assert layout.even(12800, cfg.block_k) and cfg.block_k >= 64
     even = L.SegmentLayout.from_bounds(row_parallel_bounds(6144, 4), 6144)  # 8B: already even
     assert L.segmented_config(m, 4096, 6144, torch.bfloat16, even).block_k == \
-        (linear_tiles.segmented_tma_config(4) if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
+        (linear_tiles.segmented_tma_config(4, m) if m > L.SPLIT_MAX_M else L.pick_config(m, 4096, 6144,
                                                                           torch.bfloat16)).block_k
 
 
@@ -125,7 +125,7 @@ def test_fused_segment_tree_equals_the_split_schedule(dtype: torch.dtype, segs: 
     parts = torch.empty(segs, 70, 40)
     L.run(x, w, None, parts, CFG, layout)  # keep: the split schedule's partials
     want = (tree_sum(parts) + b.float()).to(dtype)
-    for m, schedule in ((1, "split"), (5, "split"), (16, "fused tree"), (33, "fused tree"),
+    for m, schedule in ((1, "split"), (16, "split"), (17, "fused tree"), (33, "fused tree"),
                         (70, "split")):
         assert L.plan_of(x[:m], w, CFG, layout).schedule == schedule, m
         assert torch.equal(_lin(x[:m], w, b, segs=layout), want[:m]), m

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.ops import encoder_cuda
-from samebits.ops.backend import AttentionMetadata, KBounds, register
+from samebits.ops.backend import AttentionMetadata, KBounds, paired_chains, register
 from samebits.ops.encoder import InvariantEncoderOps
 from samebits.ops.pending_rank_sum import PendingRankSum
 from samebits.ops.rope import qkv_rope_store as composed_prologue
@@ -42,10 +42,10 @@ class TritonBackend(InvariantEncoderOps):
     # enters the numerics fingerprint (prefix-cache keys): derived from the kernels' sources
     name = f"triton-cuda|{_arithmetic_digest()}"
     batch_invariant = True
-    # One K chain per element until a segmented TMA GEMM exists: the pointer kernel's segmented
-    # schedules run 1.04-1.75x the one-segment kernels' time (benchmarks/segmented_linear.py).
-    # So on CUDA, TP > 1 does not reproduce TP 1's bits.
-    row_parallel_segments = False
+    # Two K chains on one device (the second chain's accumulator beside the first costs a few
+    # percent of a prefill GEMM and nothing at decode: benchmarks/segmented_linear.py), one a
+    # rank at TP 2: TP 1 == TP 2. Larger N run N chains (their own bits).
+    row_parallel_chains = staticmethod(paired_chains)
     # rms_norm takes a PendingRankSum for x (a row-parallel layer's gathered rank sums, left to
     # the residual add + norm: samebits.models.parallel)
     sums_in_norm = True

@@ -110,8 +110,6 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
     kernel that stores the sum stores each tile's same values again, as it goes."""
     layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
     check_sum_outs(x, w.shape[0], torch.float32, out, peer_out)
-    if layout.count == 1:  # the one partial, by the split schedule's program
-        return _fp32_product(x, w, layout, keep=True, out=out, peer=peer_out)[0]
     return _fp32_product(x, w, layout, keep=False, out=out, peer=peer_out)
 
 
@@ -321,7 +319,7 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     if (cfg.tma and segs == 1 and not keep and not has_peer
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous)):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
-    if (cfg.tma and 1 < segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
+    if (cfg.tma and segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
             and layout.even(k, cfg.block_k) and layout.count * layout.base == k
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous, wide_out=True)):
         return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl,

@@ -19,8 +19,9 @@ SEGMENTED_TMA_MAX = 16  # the most segments _segmented_tma_kernel sums (its stac
 MIN_BLOCK_K, MAX_STAGES = 32, 8  # the smallest BLOCK_K and most stages a segmented tile takes
 # from FUSED_MIN_M + 1 to SPLIT_MAX_M rows, up to FUSED_MAX_SEGS even segments are tree-summed in
 # registers; GEMVs keep the split schedule, whose S times more programs are faster there (H100,
-# Qwen3-8B at TP 2, M = 1: o_proj 10.3 us split, 11.2 fused; M = 64: 14.7 split, 10.3 fused)
-FUSED_MIN_M, FUSED_MAX_SEGS = 8, 8
+# Qwen3-8B on one GPU, 2 segments: o_proj at M = 1 / 16 12.3 / 9.7 us split, 16.1 / 13.4 fused,
+# one K chain 14.3 / 10.8; at M = 64 fused 12.2, split 12.0-16.8 by tile)
+FUSED_MIN_M, FUSED_MAX_SEGS = 16, 8
 SMEM_BYTES = 226 * 1024  # shared memory a Hopper program may take, less a margin for barriers
 PREFETCH = 64 * 1024  # weight bytes a GEMV program prefetches while the previous kernel runs
 
@@ -78,14 +79,24 @@ class SegmentLayout:
         return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
 
 
-# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs)
+# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs); also
+# a TP rank's one fp32 chain above SMALL_TMA_M rows (faster there than the TMA kernel's tiles,
+# whose fp32 output staging crowds out their stages)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
-# _segmented_tma_kernel's tiles by stack depth (ceil(log2 S): 1 .. 4 fp32 tiles held besides the
-# accumulator; 8 warps hold 64 registers per 128x128 fp32 tile): the fastest of a sweep at
-# M = 2048 (H100, benchmarks/segmented_linear.py --sweep; Qwen3-8B's TP 2 o_proj / down_proj for
-# 4 segments, TP 1 o_proj for 8); 9-16 segments: compiled without spills, not timed.
+SMALL_TMA_M = 128  # up to this many rows a segmented product takes SMALL_TMA_TILE
+SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
+# two segments (one GPU's share of TP 2's chains) by rows, beyond SMALL_TMA_M: (max M, tile);
+# each the fastest on Qwen3-8B's o_proj and down_proj (H100, benchmarks/segmented_linear.py):
+# 1.02-1.19x one K chain's time at M <= 256, faster than it at 384-1024, 1.04-1.11x above
+TWO_SEGMENT_TILES = ((256, GemmConfig(64, 128, 128, 4, 4, tma=True)),
+                     (1024, GemmConfig(128, 128, 128, 8, 3, tma=True)),
+                     (None, GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)))
+# _segmented_tma_kernel's tiles by stack depth for 3-16 segments (ceil(log2 S) - 1: 1 .. 3 fp32
+# tiles held besides the accumulator's; 8 warps hold 64 registers per 128x128 fp32 tile): the
+# fastest of a sweep at M = 2048 (H100, benchmarks/segmented_linear.py --sweep; Qwen3-8B's TP 2
+# o_proj / down_proj for 4 segments, TP 1 o_proj for 8); 9-16 segments: compiled without
+# spills, not timed.
 SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 128, 8, 3, tma=True),
-                       GemmConfig(128, 128, 128, 8, 3, tma=True),
                        GemmConfig(64, 128, 128, 4, 4, tma=True),
                        GemmConfig(64, 64, 64, 4, 4, tma=True))
 
@@ -112,7 +123,7 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
     up to the tile's own that makes ``layout`` even: a segment that is not a whole number of
     BLOCK_K steps takes masked loads the compiler cannot vectorize (several times slower; e.g.
     Qwen3-32B's down_proj at TP 2, 3200 columns a segment)."""
-    cfg = segmented_tma_config(layout.count) if m > SPLIT_MAX_M and dtype != torch.float32 \
+    cfg = segmented_tma_config(layout.count, m) if m > SPLIT_MAX_M and dtype != torch.float32 \
         else pick_config(m, n, k, dtype)
     block_k = cfg.block_k
     while not layout.even(k, block_k) and block_k > MIN_BLOCK_K:
@@ -123,11 +134,18 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
     return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
 
 
-def segmented_tma_config(segments: int) -> GemmConfig:
-    """``_segmented_tma_kernel``'s tile for ``segments`` K segments (by its stack depth)."""
-    if not 2 <= segments <= SEGMENTED_TMA_MAX:  # one segment: the split schedule's tile
+def segmented_tma_config(segments: int, m: int) -> GemmConfig:
+    """The tile of an M-row product over ``segments`` K segments above SPLIT_MAX_M rows (16-bit):
+    ``_segmented_tma_kernel``'s by M and its stack depth, or the pointer kernel's
+    SEGMENTED_TILE (one segment -- an fp32 or peer-stored chain -- above SMALL_TMA_M rows, and
+    more segments than the kernel sums)."""
+    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > SMALL_TMA_M):
         return SEGMENTED_TILE
-    return SEGMENTED_TMA_TILES[max(0, (segments - 1).bit_length() - 1)]
+    if m <= SMALL_TMA_M:
+        return SMALL_TMA_TILE
+    if segments == 2:
+        return next(cfg for top, cfg in TWO_SEGMENT_TILES if top is None or m <= top)
+    return SEGMENTED_TMA_TILES[(segments - 1).bit_length() - 2]
 
 
 @functools.lru_cache(maxsize=4096)
