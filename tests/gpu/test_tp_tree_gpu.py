@@ -1,10 +1,9 @@
-"""Tensor parallel 2 over 8 segments on two GPUs (NCCL): each rank gathers one fp32 sum.
+"""Tensor parallel 2 over 8 KV-head segments on two GPUs (NCCL): each rank gathers one fp32 sum.
 
-What the tests prove, for a tiny Qwen3 with 8 KV heads (S = 8: rank r's 4 segments are a subtree
-of the segments' tree): TP 2 (CUDA graphs) returns bitwise the tokens and logprobs of one GPU whose
-row-parallel layers run the Triton segmented linear (``linear(..., k_bounds)``: the tree sum
-kernel over all 8 partials); every fp32 ``all_gather`` the ranks issue sends one [1, T, H] sum,
-never a rank's 4 partials. Skipped without 2 CUDA devices.
+What the tests prove, for a tiny Qwen3 with 8 KV heads (S = 8 segments run as C = 2 K chains on
+CUDA, one a rank): TP 2 (CUDA graphs) returns bitwise the tokens and logprobs of one GPU whose
+row-parallel layers call the Triton linear over both chains (``linear(..., k_bounds)``); every
+fp32 ``all_gather`` the ranks issue sends one [1, T, H] sum. Skipped without 2 CUDA devices.
 """
 
 from __future__ import annotations
@@ -54,18 +53,18 @@ def _segmented(m: RowParallelLinear, ops, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, m.weight, m.bias, k_bounds=m.k_bounds)
 
 
-def test_tp_2_equals_one_gpu_triton_segmented_linear(config, tp2):
+def test_tp_2_equals_one_gpu_triton_chained_linear(config, tp2):
     llm = LLM(config, enforce_eager=True, **OPTIONS)
     for m in llm.engine.runner.model.modules():
         if isinstance(m, RowParallelLinear):
-            assert len(m.k_bounds) == 8
+            assert len(m.k_bounds) == 2
             m.forward = lambda ops, x, m=m: _segmented(m, ops, x)
     assert _generate(llm) == tp2[0]
 
 
 def test_each_rank_gathers_one_fp32_sum_per_row_parallel_layer(tp2):
     """The row-parallel layers' gathers (fp32, [k, T, hidden]; the LM head's fp32 gathers are
-    [1, T, vocab / 2]) send k = 1 sum, not the rank's 4 partials."""
+    [1, T, vocab / 2]) send k = 1 sum: the rank's one chain."""
     sums = [e for e in tp2[1] if e["op"] == "all_gather" and e["dtype"] == "float32"
             and e["shape"][-1] == EIGHT_KV["hidden_size"]]
     assert sums, "no fp32 all_gather: the row-parallel layers did not run their gathered path"
