@@ -85,8 +85,9 @@ def test_unaligned_pointers_get_their_own_launch_key():
     aligned_x, w, _ = _inputs(16)
     unaligned_x, _, _ = _inputs(16, 3)
     keys = {L._plan(16, OUT, K, x.dtype, w.dtype, x.dtype, False, None, x.stride(0),
-                    w.stride(0), OUT, L.pick_config(16, OUT, K, x.dtype), 1, None, False,
-                    tuple(t.data_ptr() % 16 for t in (x, w, x, x)), True).key
+                    w.stride(0), OUT, L.pick_config(16, OUT, K, x.dtype), segments=1, pdl=False,
+                    offsets=tuple(t.data_ptr() % 16 for t in (x, w, x, x)),
+                    contiguous=True).key
             for x in (aligned_x, unaligned_x)}
     assert len(keys) == 2
 

@@ -104,20 +104,23 @@ def test_uneven_segments_keep_the_split_schedule(launches):
     assert launches == []
 
 
+@pytest.mark.parametrize("peer", [None, True])
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("segs", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("m", [128, 256, 1024, 8192])
-def test_segmented_tma_tiles_fit_shared_memory(segs: int, m: int, out: torch.dtype) -> None:
+def test_segmented_tma_tiles_fit_shared_memory(segs: int, m: int, out: torch.dtype,
+                                               peer: bool | None) -> None:
     """Every tile the plan launches fits a Hopper program's shared memory: its stages and the
-    output staging tile (fp32 for ``linear_sum``, twice a bf16 one)."""
+    output staging tile (fp32 for ``linear_sum``, twice a bf16 one), and with a peer output the
+    scratch of its stores (as much again)."""
     layout = L.SegmentLayout(segs, 512)
     cfg = linear_tiles.segmented_tma_config(segs, m)
     if not cfg.tma:  # the pointer kernel's tile: no staging
         assert segs == 1 and m > linear_tiles.SMALL_TMA_M
         return
     plan = L._seg_tma_plan(m, 4096, 512 * segs, torch.bfloat16, torch.bfloat16, out, layout,
-                           cfg, True)
+                           cfg, True, peer)
     bm, bn, bk, stages = *plan.tail[5:8], plan.options["num_stages"]
     cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
-    assert L.smem_bytes(cfg, torch.bfloat16, out) <= L.SMEM_BYTES
+    assert L.smem_bytes(cfg, torch.bfloat16, out, 1 + (peer is not None)) <= L.SMEM_BYTES
     assert layout.even(512 * segs, bk)
