@@ -32,7 +32,7 @@ SHAPES = {"o_proj": (4096, 4096, 2), "down_proj": (12288, 4096, 2),  # (K, N, ch
 SWEEP = [L.GemmConfig(bm, bn, bk, warps, stages, group, tma=True)
          for bm, bn, warps in ((128, 128, 8), (128, 64, 8), (64, 128, 8), (64, 128, 4),
                                (128, 64, 4), (64, 64, 4), (64, 256, 8), (128, 256, 8))
-         for bk in (64, 128) for stages in (3, 4, 5) for group in (8,)]
+         for bk in (64, 128) for stages in (3, 4, 5, 6) for group in (8,)]
 
 
 def _us(fn, *args, reps: int = 10) -> float:
