@@ -80,8 +80,10 @@ class SegmentLayout:
 
 
 # the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs); also
-# a TP rank's one fp32 chain above SMALL_TMA_M rows (faster there than the TMA kernel's tiles,
-# whose fp32 output staging crowds out their stages)
+# a TP rank's one fp32 chain above 256 rows (faster there than the TMA kernel's tiles, whose fp32
+# output staging crowds out their stages: H100, Qwen3-8B's TP 2 o_proj + down_proj, 512-8192
+# rows); from 129 to 256 rows that chain takes TWO_SEGMENT_TILES' first tile instead (the
+# pointer tile's 64 programs at 256 rows fill half the SMs: 2.4-2.5x the bf16 product's time)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 SMALL_TMA_M = 128  # up to this many rows a segmented product takes SMALL_TMA_TILE
 SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
@@ -136,14 +138,14 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
 
 def segmented_tma_config(segments: int, m: int) -> GemmConfig:
     """The tile of an M-row product over ``segments`` K segments above SPLIT_MAX_M rows (16-bit):
-    ``_segmented_tma_kernel``'s by M and its stack depth, or the pointer kernel's
-    SEGMENTED_TILE (one segment -- an fp32 or peer-stored chain -- above SMALL_TMA_M rows, and
-    more segments than the kernel sums)."""
-    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > SMALL_TMA_M):
+    ``_segmented_tma_kernel``'s by M and its stack depth (one segment -- an fp32 or peer-stored
+    chain -- as two up to 256 rows), or the pointer kernel's SEGMENTED_TILE (that one segment
+    above 256 rows, and more segments than the kernel sums)."""
+    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > TWO_SEGMENT_TILES[0][0]):
         return SEGMENTED_TILE
     if m <= SMALL_TMA_M:
         return SMALL_TMA_TILE
-    if segments == 2:
+    if segments <= 2:
         return next(cfg for top, cfg in TWO_SEGMENT_TILES if top is None or m <= top)
     return SEGMENTED_TMA_TILES[(segments - 1).bit_length() - 2]
 
