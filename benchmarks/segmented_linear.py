@@ -23,7 +23,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from samebits.ops.backend import row_parallel_bounds
+from samebits.ops.backend import chain_bounds, row_parallel_bounds
 from samebits.ops.triton import linear as L
 
 SHAPES = {"o_proj": (4096, 4096, 2), "down_proj": (12288, 4096, 2),  # (K, N, chains)
@@ -63,7 +63,7 @@ def _us(fn, *args, reps: int = 10) -> float:
 def _row(name: str, k: int, n: int, chains: int, m: int) -> dict:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bounds = row_parallel_bounds(k, chains)
+    bounds = chain_bounds(k, 8, chains)  # the 8 KV heads merged into the chains
     layout = L.SegmentLayout.from_bounds(bounds, k)
     one, stock = _us(L.linear, x, w), _us(F.linear, x, w)
     row = {"bench": "segmented_linear", "shape": name, "m": m, "k": k, "n": n, "chains": chains}

@@ -179,7 +179,7 @@ class EngineConfig:
     # processes, samebits.engine.executor); 1: one device. The invariant arithmetic runs the
     # row-parallel linears as the backend's K chains (``OpBackend.row_parallel_chains``), so
     # every N sharing them gives the same bits: on CPU every N dividing the KV heads, on CUDA
-    # N = 1 and 2; the standard mode promises nothing across N
+    # N = 1 and 2 (where 2 divides the KV heads); the standard mode promises nothing across N
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

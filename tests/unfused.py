@@ -35,7 +35,7 @@ def _attention(attn: Attention, ops: OpBackend, h: torch.Tensor, cos: torch.Tens
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     store_kv(k, v.contiguous(), kv_cache[0], kv_cache[1], meta.slot_mapping)
     o = ops.attention(q.contiguous(), kv_cache[0], kv_cache[1], meta, d ** -0.5)
-    bounds = attn.o_proj.segments(ops)
+    bounds = attn.o_proj.chains(ops)
     return ops.linear(o.reshape(t, hq * d), attn.o_proj.weight, k_bounds=bounds)
 
 
@@ -51,16 +51,28 @@ def _layer(layer: DecoderLayer, ops: OpBackend, h: torch.Tensor, cos: torch.Tens
     h = h + a
     mlp, x = layer.mlp, ops.rms_norm(h, layer.post_attention_layernorm, layer.eps)
     gate, up = ops.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-    bounds = mlp.down_proj.segments(ops)
-    act = silu_mul(gate, up) if bounds is None else ops.silu_mul(gate, up, bounds)
+    bounds = mlp.down_proj.chains(ops)
+    act = _activation(ops, gate, up, bounds, silu_mul)
     return h + ops.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, k_bounds=bounds)
+
+
+def _activation(ops: OpBackend, gate: torch.Tensor, up: torch.Tensor, bounds,
+                silu_mul: Callable | None) -> torch.Tensor:
+    """SiLU(gate) * up as the ranks compute it, per K chain: ``silu_mul`` (a reference) on each
+    chain's own columns; None: the backend's own (the CPU's is the definition of its rounding)."""
+    if silu_mul is None:
+        return ops.silu_mul(gate, up, bounds)
+    if bounds is None:
+        return silu_mul(gate, up)
+    return torch.cat([silu_mul(gate[..., lo:hi].contiguous(), up[..., lo:hi].contiguous())
+                      for lo, hi in bounds], dim=-1)
 
 
 def unfused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                    silu_mul: Callable = stock_silu_mul) -> torch.Tensor:
-    """``model.forward``'s hidden states, computed the unfused way (``silu_mul``: the MLP's
-    activation where the model runs one K chain; the Triton interpreter's tests pass its exp)."""
+                    silu_mul: Callable | None = None) -> torch.Tensor:
+    """``model.forward``'s hidden states, computed the unfused way (``silu_mul``: a reference
+    for the MLP's activation, applied per K chain; None: the backend's own)."""
     h = F.embedding(input_ids, model.embed_tokens.weight)
     cos = model.rope_cos[positions].to(h.dtype)
     sin = model.rope_sin[positions].to(h.dtype)

@@ -114,7 +114,7 @@ class MLP(nn.Module):
 
     def forward(self, ops: OpBackend, h: torch.Tensor) -> Hidden:
         gate, up = self.gate_up_proj(ops, h).chunk(2, dim=-1)
-        act = ops.silu_mul(gate, up, self.down_proj.segments(ops))
+        act = ops.silu_mul(gate, up, self.down_proj.chains(ops))
         return self.down_proj(ops, act)
 
 

@@ -176,9 +176,11 @@ class RowParallelLinear(nn.Module):
         self.ring = (group.reserve_push(output_size)
                      if self.local_subtree and group.world_size > 1 else 0)
 
-    def segments(self, ops: OpBackend) -> KBounds | None:
-        """The K chains in force: on one device those the layer was built with (None for one);
-        under tensor parallel the invariant mode runs them (the standard mode never)."""
+    def chains(self, ops: OpBackend) -> KBounds | None:
+        """The K chains in force: on one device those the layer was built with (None for one;
+        fixed at build from the building backend's ``row_parallel_chains``: run it with that
+        backend's ops, or ops wrapping them); under tensor parallel the invariant mode runs
+        them (the standard mode never)."""
         one_chain = self.k_bounds is None or (self.group.world_size == 1
                                               and len(self.k_bounds) == 1)
         if one_chain or (self.group.world_size > 1 and not ops.batch_invariant):
@@ -187,15 +189,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         if self.group.world_size == 1:
-            return ops.linear(x, self.weight, self.bias, k_bounds=self.segments(ops))
+            return ops.linear(x, self.weight, self.bias, k_bounds=self.chains(ops))
         if not ops.batch_invariant:
             out = self.group.all_reduce_sum(ops.linear(x, self.weight))
             return out if self.bias is None else out + self.bias
         return self.gathered(ops, x)
 
     def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
-        """The S segment partials tree-summed, cast, then the bias: the bits of
-        ``ops.linear(x_full, w_full, b, k_bounds)`` on one device. Where this rank's segments
+        """The C chain partials tree-summed, cast, then the bias: the bits of
+        ``ops.linear(x_full, w_full, b, k_bounds)`` on one device. Where this rank's chains
         are a subtree, it sums them itself (``linear_sum``) and the ranks gather one fp32 sum
         each; else every partial is gathered. ``sum_tree`` adds what was gathered and casts --
         or, ``into_norm`` without a bias on a backend that ``sums_in_norm``, the norm does:
@@ -206,11 +208,11 @@ class RowParallelLinear(nn.Module):
             every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
         if self.into_norm and self.bias is None and ops.sums_in_norm:
             return PendingRankSum(every, x.dtype)
-        out = ops.sum_tree(every, x.dtype)  # every: [N or S, ..., H]
+        out = ops.sum_tree(every, x.dtype)  # every: [N or C, ..., H]
         return out if self.bias is None else out + self.bias
 
     def rank_sums(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
-        """[N, ..., H] fp32: every rank's ``linear_sum`` of its own segments, in rank order --
+        """[N, ..., H] fp32: every rank's ``linear_sum`` of its own chains, in rank order --
         written by the GEMM into this rank's slot (and, fused, the peer's) and pushed where the
         group takes the push (``push_slot``: the same choice on every rank), else gathered by
         NCCL. A pushed result is a view of the group's ring, valid only until this rank's next

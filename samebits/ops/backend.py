@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -120,10 +119,10 @@ class OpBackend(Protocol):
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = None
                  ) -> torch.Tensor:
         """SiLU(gate) * up (the MLP's activation, [T, I]). With ``k_bounds`` (down_proj's K
-        segments) an invariant backend gives each element the bits a tensor-parallel rank holding
-        only that segment's columns computes: on CPU torch's elementwise kernels round an element
+        chains) an invariant backend gives each element the bits a tensor-parallel rank holding
+        only that chain's columns computes: on CPU torch's elementwise kernels round an element
         differently in the vector body and in the scalar tail of a row, so the CPU backend runs
-        one call per segment."""
+        one call per chain."""
         ...
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
@@ -252,10 +251,9 @@ def every_segment(segments: int, world_size: int) -> int:
 
 
 def paired_chains(segments: int, world_size: int) -> int:
-    """The fewest chains N ranks can share and one device computes at nearly one chain's cost:
-    C = lcm(2, N) where it divides S (one device and two ranks: the same two chains), else N."""
-    chains = math.lcm(2, world_size)
-    return chains if segments % chains == 0 else world_size
+    """C = 2 for one device and two ranks where S is even (one device holds two chains at nearly
+    one chain's cost, a rank one: the same bits), else C = N (one chain a rank)."""
+    return 2 if world_size <= 2 and segments % 2 == 0 else world_size
 
 
 def one_chain_per_rank(segments: int, world_size: int) -> int:

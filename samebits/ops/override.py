@@ -95,7 +95,7 @@ def _scaled(out: torch.Tensor, bias: torch.Tensor, beta: float, alpha: float) ->
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # the HF Llama family's names (the engine's too)
 # (data_ptr, shape, stride, dtype, device) of a registered weight's transpose -- the operand
-# F.linear hands to mm / addmm -- -> (a weak reference to the weight, its K segments)
+# F.linear hands to mm / addmm -- -> (a weak reference to the weight, the model's KV heads)
 _row_parallel: dict[tuple, tuple[weakref.ref, int]] = {}
 
 
@@ -127,7 +127,7 @@ def _registered_heads(b: torch.Tensor) -> int | None:
 
 # ----- the invariant implementations (called with the stock kernels active) -----
 
-def _segments(backend: OpBackend, b: torch.Tensor) -> KBounds | None:
+def _chains(backend: OpBackend, b: torch.Tensor) -> KBounds | None:
     """The K chains ``backend`` runs mm's operand ``b`` over if it is a registered row-parallel
     weight (as the engine's decoder does on one device), else None."""
     heads = _registered_heads(b)
@@ -136,14 +136,14 @@ def _segments(backend: OpBackend, b: torch.Tensor) -> KBounds | None:
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     backend = _backend(a)
-    return backend.linear(a, b.t(), k_bounds=_segments(backend, b))
+    return backend.linear(a, b.t(), k_bounds=_chains(backend, b))
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor:
     if beta == 1 and alpha == 1 and bias.dim() == 1:  # same bits as samebits.ops.linear
         backend = _backend(a)
-        return backend.linear(a, b.t(), bias, k_bounds=_segments(backend, b))
+        return backend.linear(a, b.t(), bias, k_bounds=_chains(backend, b))
     return _scaled(_mm(a, b), bias, beta, alpha)
 
 

@@ -136,7 +136,7 @@ def _model(arch: str):
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_decoder_with_fused_ops_equals_the_unfused_forward(arch: str) -> None:
-    from tests.unfused import unfused_forward
+    from tests.unfused import stock_silu_mul, unfused_forward
     model = _model(arch)
     lens = [1, 7, 64, 2048]
     per = [-(-n // 16) for n in lens]
@@ -164,7 +164,7 @@ def test_decoder_with_fused_ops_equals_the_unfused_forward(arch: str) -> None:
     with torch.inference_mode():
         fused_caches, old_caches = caches(), caches()
         hidden = model(ids, pos, fused_caches, meta)
-        want = unfused_forward(model, ids, pos, old_caches, meta)
+        want = unfused_forward(model, ids, pos, old_caches, meta, stock_silu_mul)
     assert _same(hidden, want)
     for (k, v), (k_old, v_old) in zip(fused_caches, old_caches, strict=True):
         assert _same(k, k_old) and _same(v, v_old)

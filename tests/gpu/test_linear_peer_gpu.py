@@ -4,7 +4,7 @@ rank's fp32 sum stores each tile into ``peer_out`` too (``SAMEBITS_TP_PUSH=2``'s
 
 What the tests prove, bit for bit: for every schedule ``linear_sum`` takes -- one segment (the
 split program's one partial), the split schedule (the sum kernel; torch's tree for 3 segments),
-the fused tree (9-64 rows) and the segmented TMA kernel (65+ rows, its tile's shared memory
+the fused tree (17-64 rows) and the segmented TMA kernel (65+ rows, its tile's shared memory
 budgeted for the peer store) -- ``out`` and ``peer_out`` (slots at an offset in NaN-filled
 buffers, as in a ring) both hold the bits ``linear_sum`` returns without them, and no other
 element of either buffer changes; eager and with programmatic launch (``as_captured``), and

@@ -1,9 +1,10 @@
 """Tensor parallel 2 over 8 KV-head segments on two GPUs (NCCL): each rank gathers one fp32 sum.
 
 What the tests prove, for a tiny Qwen3 with 8 KV heads (S = 8 segments run as C = 2 K chains on
-CUDA, one a rank): TP 2 (CUDA graphs) returns bitwise the tokens and logprobs of one GPU whose
-row-parallel layers call the Triton linear over both chains (``linear(..., k_bounds)``); every
-fp32 ``all_gather`` the ranks issue sends one [1, T, H] sum. Skipped without 2 CUDA devices.
+CUDA, 4 segments merged in each, one chain a rank): TP 2 (CUDA graphs) returns bitwise the tokens
+and logprobs of the default one-GPU engine (two chains); every fp32 ``all_gather`` of a
+row-parallel layer sends one [1, T, H] sum. Negative control: one GPU over all 8 segments as
+chains differs. Skipped without 2 CUDA devices.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 
 from samebits import LLM  # noqa: E402
 from samebits.models.parallel import RowParallelLinear  # noqa: E402
+from samebits.ops.backend import chain_bounds  # noqa: E402
 from tests.gpu.test_tp_gpu import OPTIONS, _generate  # noqa: E402
 
 EIGHT_KV = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 512,
@@ -49,22 +51,26 @@ def tp2(config, tmp_path_factory) -> tuple[list, list[dict]]:
     return outs, [json.loads(line) for line in lines]
 
 
-def _segmented(m: RowParallelLinear, ops, x: torch.Tensor) -> torch.Tensor:
-    return ops.linear(x, m.weight, m.bias, k_bounds=m.k_bounds)
-
-
-def test_tp_2_equals_one_gpu_triton_chained_linear(config, tp2):
-    llm = LLM(config, enforce_eager=True, **OPTIONS)
-    for m in llm.engine.runner.model.modules():
-        if isinstance(m, RowParallelLinear):
-            assert len(m.k_bounds) == 2
-            m.forward = lambda ops, x, m=m: _segmented(m, ops, x)
+def test_tp_2_equals_the_default_one_gpu_engine(config, tp2):
+    llm = LLM(config, **OPTIONS)
+    chains = [len(m.k_bounds) for m in llm.engine.runner.model.modules()
+              if isinstance(m, RowParallelLinear)]
+    assert chains == [2] * 6  # o_proj and down_proj of 3 layers: 4 segments a chain
     assert _generate(llm) == tp2[0]
 
 
-def test_each_rank_gathers_one_fp32_sum_per_row_parallel_layer(tp2):
-    """The row-parallel layers' gathers (fp32, [k, T, hidden]; the LM head's fp32 gathers are
-    [1, T, vocab / 2]) send k = 1 sum: the rank's one chain."""
+def test_negative_control_one_gpu_over_all_8_segments_differs_from_tp_2(config, tp2):
+    llm = LLM(config, enforce_eager=True, **OPTIONS)  # eager: the chains are read as it runs
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, RowParallelLinear):
+            m.k_bounds = chain_bounds(m.weight.shape[1], 8, 8)
+    assert _generate(llm) != tp2[0]
+
+
+def test_each_rank_gathers_its_chains_fp32_sum_per_row_parallel_layer(tp2):
+    """The row-parallel layers run their gathered path: fp32 gathers of [1, T, hidden] (the
+    rank's one chain, summed in fp32 before any cast; the LM head's fp32 gathers are
+    [1, T, vocab / 2])."""
     sums = [e for e in tp2[1] if e["op"] == "all_gather" and e["dtype"] == "float32"
             and e["shape"][-1] == EIGHT_KV["hidden_size"]]
     assert sums, "no fp32 all_gather: the row-parallel layers did not run their gathered path"

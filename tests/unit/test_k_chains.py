@@ -1,8 +1,8 @@
 """K chains (``OpBackend.row_parallel_chains``): the row-parallel linears' unit of arithmetic.
 
 What the tests prove: ``chain_bounds`` merges whole KV-head segments, and a rank's chains are
-whole chains inside its span; the rules give C = S on CPU (``every_segment``), C = lcm(2, N)
-where it divides S, else N, on CUDA (``paired_chains``), C = N for the standard mode; with the
+whole chains inside its span; the rules give C = S on CPU (``every_segment``), C = 2 at N <= 2
+where S is even, else N, on CUDA (``paired_chains``), C = N for the standard mode; with the
 CUDA rule on an 8-KV-head layer, one device (two chains) and two ranks (one chain each) return
 the same bits, bias included, while four ranks (four chains) do not -- and the negative
 controls: one device's two chains differ from one K chain and from eight. A decoder built on a
@@ -61,11 +61,21 @@ def test_a_ranks_chains_are_whole_chains_of_its_span(n, chains):
 
 
 @pytest.mark.parametrize("s,n,cpu,cuda", [(8, 1, 8, 2), (8, 2, 8, 2), (8, 4, 8, 4), (8, 8, 8, 8),
-                                          (3, 1, 3, 1), (3, 3, 3, 3), (6, 3, 6, 6), (1, 1, 1, 1)])
+                                          (3, 1, 3, 1), (3, 3, 3, 3), (6, 3, 6, 3), (1, 1, 1, 1)])
 def test_chain_rules(s, n, cpu, cuda):
+    from samebits.ops.standard import StandardBackend
+    from samebits.ops.triton.backend import TritonBackend
     assert every_segment(s, n) == cpu and paired_chains(s, n) == cuda
     assert one_chain_per_rank(s, n) == n
     assert OPS.row_parallel_chains(s, n) == cpu
+    assert TritonBackend.row_parallel_chains(s, n) == cuda
+    assert StandardBackend.row_parallel_chains(s, n) == n
+
+
+@pytest.mark.parametrize("chains,n", [(3, 1), (4, 8), (2, 4)])
+def test_a_layer_refuses_chains_that_do_not_divide_or_split_over_its_ranks(chains, n):
+    with pytest.raises(ValueError, match=f"{chains} K chains: must divide the 8 KV heads"):
+        RowParallelLinear(320, 16, 8, TPGroup(0, n), chains)
 
 
 def _row_parallel(x, w, b, s: int, n: int, chains: int) -> list[torch.Tensor]:
@@ -88,7 +98,7 @@ def test_paired_chains_one_device_equals_two_ranks_not_four():
     one = RowParallelLinear(k, h, s, TPGroup(0, 1), paired_chains(s, 1), bias=True)
     one.weight.data, one.bias.data = w.clone(), b.clone()
     want = one(OPS, x)
-    assert one.segments(OPS) == chain_bounds(k, s, 2)
+    assert one.chains(OPS) == chain_bounds(k, s, 2)
     two = _row_parallel(x, w, b, s, 2, paired_chains(s, 2))
     assert all(torch.equal(out, want) for out in two)
     four = _row_parallel(x, w, b, s, 4, paired_chains(s, 4))

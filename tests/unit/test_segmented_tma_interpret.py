@@ -124,3 +124,34 @@ def test_segmented_tma_tiles_fit_shared_memory(segs: int, m: int, out: torch.dty
     cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
     assert L.smem_bytes(cfg, torch.bfloat16, out, 1 + (peer is not None)) <= L.SMEM_BYTES
     assert layout.even(512 * segs, bk)
+
+
+def test_a_ranks_one_fp32_chain_is_its_split_partial_above_64_rows(launches):
+    """A TP rank's one chain (``linear_sum`` over one range): the segmented TMA kernel up to 256
+    rows, the pointer kernel above; either way the split program's one partial, bit for bit,
+    and a row's bits whatever M. Negative control: two chains differ."""
+    k, n = 256, 40
+    x, w, _ = _data(300, k, n, 7)
+    one = ((0, k),)
+    want = L.partials(x, w, one)[0]
+    for m in (70, 200, 300):
+        assert torch.equal(L.linear_sum(x[:m], w, one), want[:m]), m
+    assert len(launches) == 2  # 70 and 200 rows; 300 rows take the pointer kernel
+    assert not torch.equal(L.linear_sum(x, w, row_parallel_bounds(k, 2)), want)
+
+
+def test_chains_merged_from_uneven_segments_equal_the_ranks_slices():
+    """Chains of unequal length (200 columns in 6 uneven KV-head segments, merged in two: 101
+    and 99), which the segmented kernels do not take: ``linear``, ``partials``
+    and ``linear_sum`` give each chain's product on its own slice -- what a TP 2 rank holding
+    that slice computes -- tree-summed. Negative control: one K chain differs."""
+    from samebits.ops.backend import chain_bounds
+    x, w, b = _data(9, 200, 24, 3)
+    kb = chain_bounds(200, 6, 2)
+    assert {hi - lo for lo, hi in kb} == {101, 99}
+    ranks = torch.stack([L.linear_sum(x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous(),
+                                      ((0, hi - lo),)) for lo, hi in kb])
+    assert torch.equal(L.partials(x, w, kb), ranks)
+    assert torch.equal(L.linear_sum(x, w, kb), tree_sum(ranks))
+    assert torch.equal(L.linear(x, w, b, k_bounds=kb), tree_sum(ranks).half() + b)
+    assert not torch.equal(L.linear(x, w, b), L.linear(x, w, b, k_bounds=kb))

@@ -125,9 +125,9 @@ def _triton():
     (3, 1, torch.float32, "split"), (2, 33, torch.float32, "fused tree"),
     (2, 70, torch.float16, "segmented tma"), (3, 70, torch.float16, "segmented tma")])
 def test_triton_linear_sum_writes_its_bits_into_out_and_peer_out(s, m, dtype, schedule):
-    """One segment (the split program's one partial, stored by ``_linear_kernel``), the split
+    """One segment (``_linear_kernel``'s one chain), the split
     schedule (1 row; summed by ``_sum_partials_kernel``, or for 3 segments by torch's tree), the
-    fused tree (9-64 rows) and the segmented TMA kernel (65+ rows, 16-bit; 2 and 3 segments)
+    fused tree (17-64 rows) and the segmented TMA kernel (65+ rows, 16-bit; 2 and 3 segments)
     each store into ``out`` and ``peer_out``. fp16 stands for 16-bit inputs (the interpreter's
     bf16 ``tl.dot`` is wrong)."""
     from samebits.ops.triton import linear as L

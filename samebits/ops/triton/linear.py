@@ -5,8 +5,10 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
 - K is cut into ordered segments, functions of the weight shape and the caller's ``k_bounds``
   only: by default ``num_segments(K, N)`` segments of ``segment_len(K, N)`` elements (a multiple of
   ``SEGMENT_ALIGN``; the last one may be shorter); with ``k_bounds`` (the row-parallel linears'
-  segmented K, ``samebits.ops.backend``) exactly those, which must be near-equal (a run of lengths
-  q+1 then q, as ``samebits.ops.backend.bounds`` cuts them: a ``SegmentLayout``).
+  K chains, ``samebits.ops.backend``) exactly those: near-equal ones (a run of lengths q+1 then
+  q, as ``samebits.ops.backend.bounds`` cuts them: a ``SegmentLayout``) by the kernels below,
+  others (chains merged from uneven KV-head segments) one product per range on its own slice
+  (``_slice_partials``: the same bits), tree-summed in torch.
 - Each segment is accumulated from zero in fp32 by ``tl.dot`` over ascending K (the tensor cores
   take 16 K-elements per step; fp32 inputs use ``input_precision="ieee"``, plain FMAs).
   ``num_segments`` is 1 for every shape, i.e. a plain fp32 accumulation over all of K.
@@ -49,7 +51,7 @@ import functools
 import torch
 import triton
 
-from samebits.ops.backend import KBounds, check_sum_outs, into_sum_outs, tree_sum
+from samebits.ops.backend import KBounds, check_k_bounds, check_sum_outs, into_sum_outs, tree_sum
 from samebits.ops.triton import linear_kernels as K
 from samebits.ops.triton.launcher import Descriptor, Launcher, alignment, programmatic
 from samebits.ops.triton.linear_tiles import (
@@ -62,6 +64,7 @@ from samebits.ops.triton.linear_tiles import (
     SPLIT_MAX_M,
     GemmConfig,
     SegmentLayout,
+    near_equal,
     num_segments,
     pick_config,
     segmented_config,
@@ -84,6 +87,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         if m and n:
             run(x2, w, b, out)
         return out if flat else out.reshape(*x.shape[:-1], n)
+    if not near_equal(k_bounds):  # chains merged from uneven segments
+        out = sum_tree(_slice_partials(x, w, k_bounds), x.dtype)
+        return out if b is None else out + b
     segments = SegmentLayout.from_bounds(k_bounds, k)
     cfg = segmented_config(m, n, k, x.dtype, segments) if segments.count > 1 else None
     if m and n:
@@ -96,6 +102,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 def partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
     """[S, ..., N] fp32: each K segment's partial, the very values ``linear`` with ``k_bounds``
     adds."""
+    if not near_equal(k_bounds):
+        return _slice_partials(x, w, k_bounds)
     return _fp32_product(x, w, SegmentLayout.from_bounds(k_bounds, x.shape[-1]), keep=True)
 
 
@@ -108,9 +116,21 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
     [..., N] tensor on x's device the kernels store into (``check_sum_outs``), returned.
     ``peer_out``: another such tensor (a peer's slot, mapped on this device) into which the
     kernel that stores the sum stores each tile's same values again, as it goes."""
-    layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
     check_sum_outs(x, w.shape[0], torch.float32, out, peer_out)
+    if not near_equal(k_bounds):
+        return into_sum_outs(tree_sum(_slice_partials(x, w, k_bounds)), out, peer_out)
+    layout = SegmentLayout.from_bounds(k_bounds, x.shape[-1])
     return _fp32_product(x, w, layout, keep=False, out=out, peer=peer_out)
+
+
+def _slice_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
+    """[S, ..., N] fp32: each K range's product alone, on its own contiguous slice -- the bits
+    the segmented kernels give a segment -- for ranges that are not near-equal (chains merged
+    from uneven KV-head segments), which those kernels do not take."""
+    check_k_bounds(k_bounds, x.shape[-1])
+    return torch.stack([
+        _fp32_product(x[..., lo:hi].contiguous(), w[:, lo:hi].contiguous(),
+                      SegmentLayout(1, hi - lo), keep=True)[0] for lo, hi in k_bounds])
 
 
 def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool,

@@ -67,12 +67,10 @@ class SegmentLayout:
     def from_bounds(cls, k_bounds: KBounds, k: int) -> SegmentLayout:
         """The layout of near-equal ``k_bounds`` (lengths q+1 ... then q ...); else ValueError."""
         check_k_bounds(k_bounds, k)
+        if not near_equal(k_bounds):
+            raise ValueError(f"the Triton kernels take near-equal K segments, got {k_bounds}")
         lengths = [hi - lo for lo, hi in k_bounds]
-        base, extra = min(lengths), sum(1 for n in lengths if n > min(lengths))
-        layout = cls(len(lengths), base, extra)
-        if lengths != [base + (s < extra) for s in range(len(lengths))]:
-            raise ValueError(f"the Triton linear takes near-equal K segments, got {k_bounds}")
-        return layout
+        return cls(len(lengths), min(lengths), sum(1 for n in lengths if n > min(lengths)))
 
     def even(self, k: int, block_k: int) -> bool:
         """Every segment a whole number of BLOCK_K steps (the kernel's loads need no masks)."""
@@ -93,14 +91,23 @@ SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
 TWO_SEGMENT_TILES = ((256, GemmConfig(64, 128, 128, 4, 4, tma=True)),
                      (1024, GemmConfig(128, 128, 128, 8, 3, tma=True)),
                      (None, GemmConfig(128, 256, 64, 8, 3, group_m=16, tma=True)))
-# _segmented_tma_kernel's tiles by stack depth for 3-16 segments (ceil(log2 S) - 1: 1 .. 3 fp32
-# tiles held besides the accumulator's; 8 warps hold 64 registers per 128x128 fp32 tile): the
+# _segmented_tma_kernel's tiles for 3-4, 5-8 and 9-16 segments (indexed by ceil(log2 S) - 2; the
+# tree's pending subtree sums are held beside the accumulator, up to ceil(log2 S) of them; 8
+# warps hold 64 registers per 128x128 fp32 tile): the
 # fastest of a sweep at M = 2048 (H100, benchmarks/segmented_linear.py --sweep; Qwen3-8B's TP 2
 # o_proj / down_proj for 4 segments, TP 1 o_proj for 8); 9-16 segments: compiled without
 # spills, not timed.
 SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 128, 8, 3, tma=True),
                        GemmConfig(64, 128, 128, 4, 4, tma=True),
                        GemmConfig(64, 64, 64, 4, 4, tma=True))
+
+
+def near_equal(k_bounds: KBounds) -> bool:
+    """Whether the ranges' lengths run q + 1 ... then q ... (a ``SegmentLayout``)."""
+    lengths = [hi - lo for lo, hi in k_bounds]
+    base = min(lengths)
+    extra = sum(1 for n in lengths if n > base)
+    return lengths == [base + (s < extra) for s in range(len(lengths))]
 
 
 def num_segments(k: int, n: int) -> int:
