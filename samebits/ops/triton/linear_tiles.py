@@ -102,6 +102,7 @@ SEGMENTED_TMA_TILES = (GemmConfig(128, 128, 128, 8, 3, tma=True),
                        GemmConfig(64, 64, 64, 4, 4, tma=True))
 
 
+@functools.lru_cache(maxsize=256)
 def near_equal(k_bounds: KBounds) -> bool:
     """Whether the ranges' lengths run q + 1 ... then q ... (a ``SegmentLayout``)."""
     lengths = [hi - lo for lo, hi in k_bounds]
