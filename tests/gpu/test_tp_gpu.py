@@ -5,7 +5,8 @@ tokens and logprobs of one GPU computing the same K-chain arithmetic (its row-pa
 on their gathered path), and of the default one-GPU engine, which runs TP 2's two K chains
 (``TritonBackend.row_parallel_chains``; one K chain instead differs: negative control); a
 Qwen3-8B-shaped model starts at TP 2 with the default memory settings and each rank holds about
-half of its weights; the standard mode (an NCCL all-reduce of the partial sums) differs from its
+half of its weights, and at TP 2 returns TP 1's tokens, logprobs, scores and fingerprint (TP 1
+with one K chain differs); the standard mode (an NCCL all-reduce of the partial sums) differs from its
 one-GPU bits (negative control); a killed rank makes ``generate`` raise naming it within 30 s;
 the two ranks issue the same NCCL and gloo collectives in the same order through start-up (KV
 profiling, graph capture), steps and shutdown; shutdown returns within seconds, rank 1 exiting
@@ -94,6 +95,36 @@ def test_qwen3_8b_starts_at_tp_2_with_default_memory_and_half_the_weights_per_gp
         assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     finally:
         llm.engine.runner.shutdown()
+
+
+def _tokens_logprobs_scores_fingerprint(llm: LLM) -> tuple:
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
+    scored = llm.score([PROMPTS[2] + outs[2].token_ids])
+    return [(o.token_ids, o.token_logprobs) for o in outs], scored, llm.fingerprint
+
+
+def test_qwen3_8b_tp_2_equals_tp_1_in_tokens_logprobs_scores_and_fingerprint():
+    """The 8B shapes (8 KV heads: two chains of 4 on one GPU, one a rank). Negative control:
+    the TP 1 engine with one K chain per linear differs."""
+    options = dict(load_format="dummy", dtype="bfloat16", seed=0, max_num_seqs=8,
+                   kv_cache_memory_bytes=4 << 30, max_model_len=2048)
+    one = LLM(QWEN3_8B, enforce_eager=True, **options)  # eager: the chains are read as it runs
+    try:
+        want = _tokens_logprobs_scores_fingerprint(one)
+        for m in one.engine.runner.model.modules():
+            if isinstance(m, RowParallelLinear):
+                m.k_bounds = None
+        plain = _tokens_logprobs_scores_fingerprint(one)
+    finally:
+        one.engine.runner.shutdown()
+    del one
+    torch.cuda.empty_cache()
+    two = LLM(QWEN3_8B, tensor_parallel_size=2, **options)
+    try:
+        assert _tokens_logprobs_scores_fingerprint(two) == want
+    finally:
+        two.engine.runner.shutdown()
+    assert plain[:2] != want[:2]
 
 
 def test_killed_rank_raises_naming_it_within_30s():
