@@ -22,7 +22,7 @@ from samebits.ops.backend import row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import launcher  # noqa: E402
 from samebits.ops.triton import linear as L  # noqa: E402
 
-ROWS = [1, 7, 33, 64, 65, 300, 2048]
+ROWS = [1, 7, 33, 64, 65, 200, 300, 2048]
 # (K a rank holds, its segments, H): Qwen3-8B's o_proj / down_proj at TP 2 and 4 KV-group shapes
 SHAPES = [(2048, 4, 4096), (6144, 4, 4096), (2048, 1, 4096), (3072, 3, 1024), (4096, 8, 1024),
           (4096, 2, 1024)]
