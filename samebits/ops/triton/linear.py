@@ -29,14 +29,15 @@ Arithmetic contract (what fixes the bits of ``out[i, j]``):
 Tile shapes (BLOCK_M/N/K, warps, stages: ``linear_tiles.py``) follow the row count M for speed; on
 Hopper they do not change the bits (docs/DESIGN.md section 2, re-checked by
 tests/gpu/test_linear_bits.py). With one segment, rows above 64 take ``_linear_tma_kernel``
-(persistent, TMA loads), smaller ones the pointer kernel. More than one segment above 64 rows,
-16-bit and every segment whole BLOCK_K steps: ``_segmented_tma_kernel`` (persistent, TMA loads)
-adds the partials in registers in the same tree order, casts and stores once -- the same bits as
-the split schedule, without the [S, M, N] buffer and the sum kernel; other segmented products take
-the split schedule.
+(persistent, TMA loads), smaller ones the pointer kernel; a tensor-parallel rank's one chain
+(an fp32 output, maybe a peer's) takes ``_segmented_tma_kernel`` from 65 to 256 rows, the
+pointer kernel otherwise. More than one segment above 64 rows, 16-bit and every segment whole
+BLOCK_K steps: ``_segmented_tma_kernel`` (persistent, TMA loads) adds the partials in registers in
+the same tree order, casts and stores once -- the same bits as the split schedule, without the
+[S, M, N] buffer and the sum kernel; other segmented products take the split schedule.
 
 A second output (``linear_sum``'s ``peer_out``: a tensor-parallel peer's slot, mapped here): the
-kernel that stores the final fp32 values -- the split program's one partial, the fused tree's
+kernel that stores the final fp32 values -- the pointer kernel's one chain, the fused tree's
 program, ``_sum_partials_kernel``, ``_segmented_tma_kernel`` (plain masked stores beside its TMA
 store; its tile's shared memory budgets the layout conversion they take) -- stores each tile's
 same registers there too (``HAS_PEER``); torch's tree sum copies its result into both. Without
