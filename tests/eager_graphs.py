@@ -47,6 +47,7 @@ class EagerPiecewise:
         attn = runner.model.layers[0].self_attn
         self.q = torch.zeros(self.buckets[-1], attn.hq, attn.d, dtype=runner.dtype)
         self.o = torch.zeros_like(self.q)
+        self.slots = torch.zeros(self.buckets[-1], dtype=torch.int64)  # the staged slots
         slot = runner.num_blocks * runner.block_size if pad_slot is None else pad_slot
         self.pad = np.array([0, 0, slot], dtype=np.int64)[:, None]
         self.hidden: dict[int, torch.Tensor] = {}
@@ -60,6 +61,7 @@ class EagerPiecewise:
         host = np.empty((3, bucket), dtype=np.int64)
         fill_inputs(host, input_ids, positions, slots, self.pad)
         ids, pos, slots_t = torch.from_numpy(host)
+        self.slots[:bucket] = slots_t
         ops = model.ops
 
         def cut() -> None:
@@ -68,7 +70,7 @@ class EagerPiecewise:
 
         with split_ops(model, self.q, self.o, cut) as splitter:
             hidden = model(ids, pos, self.runner.kv_caches,
-                           dataclasses.replace(meta, slot_mapping=slots_t))
+                           dataclasses.replace(meta, slot_mapping=self.slots[:bucket]))
         self.steps += 1
         out = self.hidden.setdefault(bucket, torch.empty_like(hidden))
         return out.copy_(hidden)[:t]

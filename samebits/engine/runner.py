@@ -184,14 +184,18 @@ class ModelRunner:
         states [T, H], kept as slot "main" (valid until the next forward)."""
         self._announce("forward", inputs)
         dev = self.device
+        piecewise = self.piecewise is not None and self.piecewise.covers(len(inputs.input_ids))
+        # the chains stage the step's slots with its ids and positions (``PiecewiseGraphs.run``)
+        slots = (self.piecewise.slots[:len(inputs.slots)] if piecewise
+                 else torch.tensor(inputs.slots, dtype=torch.int64, device=dev))
         meta = self.model.ops.plan_attention(AttentionMetadata(
             block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
-            seq_lens_list=tuple(inputs.seq_lens), query_start_loc_list=tuple(inputs.query_start_loc),
+            slot_mapping=slots, seq_lens_list=tuple(inputs.seq_lens),
+            query_start_loc_list=tuple(inputs.query_start_loc),
             block_size=self.block_size, split_size=self.config.attention_split_size))
-        if self.piecewise is not None and self.piecewise.covers(len(inputs.input_ids)):
+        if piecewise:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.slots, meta)
         else:
             hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
