@@ -35,11 +35,17 @@ from samebits.ops.pending_rank_sum import resolved
 log = logging.getLogger("samebits.engine")
 
 
+def rounded_up(n: int, smallest: int, step: int) -> int:
+    """``n`` rounded up to a captured size: a power of two (at least ``smallest``) up to
+    ``step``, then a multiple of ``step``."""
+    if n <= step:
+        return max(smallest, 1 << (n - 1).bit_length())
+    return -(-n // step) * step
+
+
 def batch_bucket(n: int) -> int:
     """The captured batch size that serves ``n`` decode tokens: 1, 2, 4, 8, 16, 24, 32, ..."""
-    if n <= 8:
-        return 1 << (n - 1).bit_length()
-    return -(-n // 8) * 8
+    return rounded_up(n, 1, 8)
 
 
 def batch_buckets(max_batch: int) -> list[int]:

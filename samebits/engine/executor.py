@@ -106,7 +106,7 @@ class Ranks:
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
         # rank 0's CUDA graphs, released before the group
-        self.graphs: list[weakref.ref[DecodeGraphs | PiecewiseGraphs]] = []
+        self.graphs: weakref.WeakSet[DecodeGraphs | PiecewiseGraphs] = weakref.WeakSet()
         self.queue = MessageQueue.create(readers=self.world - 1)
         self.queue.check = self._check_failure  # a write waiting on a dead rank raises
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; every platform spawns alike
@@ -192,15 +192,13 @@ class Ranks:
     def hold_graphs(self, graphs: DecodeGraphs | PiecewiseGraphs) -> None:
         """One of rank 0's sets of CUDA graphs, destroyed before its side of the group is
         released (held weakly: the runner owns them)."""
-        self.graphs.append(weakref.ref(graphs))
+        self.graphs.add(graphs)
 
     def _release_graphs(self) -> None:
         """Destroy rank 0's graphs, wherever they are still referenced (main thread only: no
         replay runs beside it)."""
-        for ref in self.graphs:
-            graphs = ref()
-            if graphs is not None:
-                graphs.release()
+        for graphs in list(self.graphs):
+            graphs.release()
 
     def check(self) -> None:
         if self.closing:

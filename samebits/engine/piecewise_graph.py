@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from samebits.engine.cuda_graph import Staging, gc_paused
+from samebits.engine.cuda_graph import Staging, gc_paused, rounded_up
 from samebits.ops.backend import AttentionMetadata
 
 log = logging.getLogger("samebits.engine")
@@ -58,9 +58,7 @@ def piecewise_tokens(config, model) -> int:
 def token_bucket(n: int) -> int:
     """The captured token count that serves a forward of ``n`` tokens: 16, 32, ..., 512, then
     multiples of 512."""
-    if n <= POWER_OF_TWO_UP_TO:
-        return max(SMALLEST_BUCKET, 1 << (n - 1).bit_length())
-    return -(-n // POWER_OF_TWO_UP_TO) * POWER_OF_TWO_UP_TO
+    return rounded_up(n, SMALLEST_BUCKET, POWER_OF_TWO_UP_TO)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

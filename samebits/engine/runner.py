@@ -127,9 +127,11 @@ class ModelRunner:
     @torch.inference_mode()
     def all_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of every scheduled token (embeddings, reference checks):
-        a tensor of the caller's (a piecewise forward's is the graphs' buffer)."""
+        a tensor of the caller's (a piecewise forward's, the graphs' buffer, is copied)."""
         with self._guard():
-            return self._forward(self.prepare(batch).forward).clone()
+            inputs = self.prepare(batch).forward
+            hidden = self._forward(inputs)
+            return hidden.clone() if self._piecewise_serves(inputs) else hidden
 
     def discard_ahead(self) -> None:
         """Drop the step launched ahead (the weights or a sequence's state changed)."""
@@ -184,7 +186,7 @@ class ModelRunner:
         states [T, H], kept as slot "main" (valid until the next forward)."""
         self._announce("forward", inputs)
         dev = self.device
-        piecewise = self.piecewise is not None and self.piecewise.covers(len(inputs.input_ids))
+        piecewise = self._piecewise_serves(inputs)
         # the chains stage the step's slots with its ids and positions (``PiecewiseGraphs.run``)
         slots = (self.piecewise.slots[:len(inputs.slots)] if piecewise
                  else torch.tensor(inputs.slots, dtype=torch.int64, device=dev))
@@ -202,6 +204,9 @@ class ModelRunner:
                                 torch.tensor(inputs.positions, device=dev), self.kv_caches, meta)
         self.hidden["main"] = hidden
         return hidden
+
+    def _piecewise_serves(self, inputs: ForwardInputs) -> bool:
+        return self.piecewise is not None and self.piecewise.covers(len(inputs.input_ids))
 
     def _replay(self, decode: DecodeBatch, slot: str, tokens: torch.Tensor | None = None
                 ) -> torch.Tensor:
