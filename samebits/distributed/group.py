@@ -79,13 +79,15 @@ class TPGroup:
         # the ring of the last push since the last NCCL gather or all-reduce (None: none since)
         self.last_ring: int | None = None
 
-    def connect(self, init_method: str, max_batched_tokens: int | None = None) -> None:
+    def connect(self, init_method: str, max_batched_tokens: int | None = None,
+                push: bool = True) -> None:
         """Join the process group (every rank calls this with the same ``init_method``), then
         check it: a gather on the device and a reduction over the control group, so both
         backends have connected here (NCCL's communicator too, before any forward or graph
         capture) and a wrong device or a broken transport fails now, not in a step. The push
         exchange, where opened, holds the rows of ``max_batched_tokens`` (the engine's
-        ``max_num_batched_tokens``) up to ``PUSH_MAX_ROWS``."""
+        ``max_num_batched_tokens``) up to ``PUSH_MAX_ROWS``; ``push`` False (the standard mode,
+        whose layers all-reduce): none is opened (every rank is given the same value)."""
         if self.world_size == 1 or self.connected:
             return
         check_free()
@@ -101,7 +103,8 @@ class TPGroup:
         if ranks != list(range(self.world_size)) or self.min_int(self.rank) != 0:
             raise RuntimeError(f"tensor-parallel group check failed on rank {self.rank}: the "
                                f"ranks gathered {ranks}")
-        self.exchange = open_exchange(self, self.push_width, push_rows(max_batched_tokens))
+        if push:
+            self.exchange = open_exchange(self, self.push_width, push_rows(max_batched_tokens))
 
     def reserve_push(self, width: int) -> int:
         """A row-parallel layer's ring for its pushes, rings alternating in the order layers are

@@ -79,7 +79,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         ranks.wait_ready()
         log.info("tensor parallel: %d ranks loaded their shards in %.1f s", ranks.world,
                  time.perf_counter() - start)
-        group.connect(ranks.init_method, config.max_num_batched_tokens)
+        group.connect(ranks.init_method, config.max_num_batched_tokens, config.batch_invariant)
         ranks.watch()
         log.info("tensor parallel: process group connected (%s)", group.backend)
         with ranks.guard():

@@ -59,7 +59,7 @@ def rank_main(config: EngineConfig, rank: int, init_method: str, queue: QueueHan
     log.info("tensor-parallel rank %d: loaded its shard in %.1f s", rank,
              time.perf_counter() - start)
     try:
-        group.connect(init_method, config.max_num_batched_tokens)
+        group.connect(init_method, config.max_num_batched_tokens, config.batch_invariant)
         runner = ModelRunner(loaded, config)
         log.info("tensor-parallel rank %d: %d KV blocks, %d decode CUDA graphs, %d piecewise "
                  "buckets; serving", rank, runner.num_blocks,
