@@ -47,7 +47,6 @@ from samebits.distributed.group import TPGroup
 from samebits.ops.backend import (
     KBounds,
     OpBackend,
-    bounds,
     chain_bounds,
     rank_blocks_are_subtrees,
 )
@@ -71,9 +70,7 @@ class ShardSpec:
         if self.dim is None:
             return 0, self.full_sizes[shard]
         r = self.rank if rank is None else rank
-        per = self.segments // self.world_size
-        cuts = bounds(self.full_sizes[shard], self.segments)
-        return cuts[r * per][0], cuts[(r + 1) * per - 1][1]
+        return chain_bounds(self.full_sizes[shard], self.segments, self.world_size)[r]
 
     def sizes(self, shard: int) -> list[int]:
         """Every rank's length of shard ``shard`` along ``dim``, in rank order."""

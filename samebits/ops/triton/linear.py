@@ -125,13 +125,12 @@ def linear_sum(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
 
 
 def _slice_partials(x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds) -> torch.Tensor:
-    """[S, ..., N] fp32: each K range's product alone, on its own contiguous slice -- the bits
-    the segmented kernels give a segment -- for ranges that are not near-equal (chains merged
-    from uneven KV-head segments), which those kernels do not take."""
+    """[S, ..., N] fp32: each K range's product alone, on its own columns (strided views: no
+    copy) -- the bits the segmented kernels give a segment -- for ranges that are not
+    near-equal (chains merged from uneven KV-head segments), which those kernels do not take."""
     check_k_bounds(k_bounds, x.shape[-1])
-    return torch.stack([
-        _fp32_product(x[..., lo:hi].contiguous(), w[:, lo:hi].contiguous(),
-                      SegmentLayout(1, hi - lo), keep=True)[0] for lo, hi in k_bounds])
+    return torch.stack([_fp32_product(x[..., lo:hi], w[:, lo:hi], SegmentLayout(1, hi - lo),
+                                      keep=True)[0] for lo, hi in k_bounds])
 
 
 def _fp32_product(x: torch.Tensor, w: torch.Tensor, layout: SegmentLayout, keep: bool,

@@ -84,6 +84,7 @@ class SegmentLayout:
 # pointer tile's 64 programs at 256 rows fill half the SMs: 2.4-2.5x the bf16 product's time)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 SMALL_TMA_M = 128  # up to this many rows a segmented product takes SMALL_TMA_TILE
+ONE_CHAIN_TMA_MAX_M = 256  # a rank's one fp32 chain takes the TMA kernel up to this many rows
 SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
 # two segments (one GPU's share of TP 2's chains) by rows, beyond SMALL_TMA_M: (max M, tile);
 # each the fastest on Qwen3-8B's o_proj and down_proj (H100, benchmarks/segmented_linear.py):
@@ -125,6 +126,7 @@ def segment_len(k: int, n: int) -> int:
     return -(-k // (s * SEGMENT_ALIGN)) * SEGMENT_ALIGN
 
 
+@functools.lru_cache(maxsize=4096)
 def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: SegmentLayout
                      ) -> GemmConfig:
     """The tile of a segmented product (free to vary: it does not change the bits): above
@@ -149,7 +151,7 @@ def segmented_tma_config(segments: int, m: int) -> GemmConfig:
     ``_segmented_tma_kernel``'s by M and its stack depth (one segment -- an fp32 or peer-stored
     chain -- as two up to 256 rows), or the pointer kernel's SEGMENTED_TILE (that one segment
     above 256 rows, and more segments than the kernel sums)."""
-    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > TWO_SEGMENT_TILES[0][0]):
+    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > ONE_CHAIN_TMA_MAX_M):
         return SEGMENTED_TILE
     if m <= SMALL_TMA_M:
         return SMALL_TMA_TILE
