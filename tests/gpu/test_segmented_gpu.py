@@ -110,8 +110,9 @@ def test_negative_control_chain_of_partials_differs_from_the_tree():
 
 
 def _one_rank_reference(config: str, prompts, params):
-    """The same model with every row-parallel layer on its tensor-parallel path (one product per
-    segment, the partials tree-summed by torch), eager."""
+    """The same model with every row-parallel layer on its tensor-parallel path (``gathered``:
+    the rank's ``linear_sum`` over its chains, handed to the next norm as a one-rank sum),
+    eager."""
     from samebits.models.parallel import RowParallelLinear
     llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", seed=0,
               kv_cache_memory_bytes=1 << 28, enforce_eager=True)
