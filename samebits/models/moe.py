@@ -14,7 +14,13 @@ parameter whose shards are the per-expert HF tensors (``model.layers.L.mlp.exper
 weight``...; Mixtral: ``block_sparse_moe.experts.e.w1/w3/w2``), so loading, ``update_weights``,
 ``named_weights`` and ``save_pretrained`` speak the checkpoint's per-expert names.
 
-One device only: experts are not sharded over tensor-parallel ranks (a clear error at build).
+Under tensor parallel the attention, dense MLPs and shared expert are split as the Llama
+decoder's; the experts are split by expert (``expert_param``): rank r holds experts
+[r E/N, (r+1) E/N) whole, computes the outputs of the assignments routed to them
+(``expert_outputs``), and the ranks gather every assignment's output from the rank holding its
+expert before the same fixed-order combine (``combine_experts``). An expert's output is one
+device's arithmetic whatever N, and the combine sees the same values in the same order, so every
+N dividing E (and the KV heads) gives the bits of one device.
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ from torch import nn
 from samebits.distributed.group import TPGroup
 from samebits.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from samebits.models.moe_config import MoeModelConfig
-from samebits.models.parallel import replicated_param
-from samebits.models.weights import fused_param, load_weights, tensor_shape
+from samebits.models.parallel import expert_param, replicated_param
+from samebits.models.weights import load_weights, tensor_shape
 from samebits.ops.backend import OpBackend
-from samebits.ops.moe import fused_experts, select_experts, sigmoid_gate
+from samebits.ops.moe import (
+    combine_experts,
+    expert_outputs,
+    fused_experts,
+    select_experts,
+    sigmoid_gate,
+)
 
 
 class SparseMoeBlock(nn.Module):
@@ -42,9 +54,12 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = self.moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size
+        self.group = group
         self.gate = replicated_param(e, h)  # router weight
-        self.experts_gate_up = fused_param([i] * (2 * e), h)  # [E, 2I, H] as a view
-        self.experts_down = fused_param([h] * e, i)  # [E, H, I] as a view
+        self.experts_gate_up = expert_param(e, [i, i], h, group)  # [E', 2I, H] as a view
+        self.experts_down = expert_param(e, [h], i, group)  # [E', H, I] as a view
+        self.local_experts = e // group.world_size
+        self.first_expert = group.rank * self.local_experts
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             shared = dataclasses.replace(cfg, intermediate_size=moe.shared_expert_intermediate_size)
@@ -60,10 +75,23 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(ops, h)
             scale = sigmoid_gate(ops, ops.linear(h, self.shared_expert_gate))
-        e = moe.num_experts
-        return fused_experts(ops, h, self.experts_gate_up.view(e, -1, h.shape[-1]),
-                             self.experts_down.view(e, h.shape[-1], -1), weights, ids, shared,
-                             scale)
+        e = self.local_experts
+        w13 = self.experts_gate_up.view(e, -1, h.shape[-1])
+        w2 = self.experts_down.view(e, h.shape[-1], -1)
+        if self.group.world_size == 1:
+            return fused_experts(ops, h, w13, w2, weights, ids, shared, scale)
+        return combine_experts(ops, self.gathered(expert_outputs(ops, h, w13, w2, ids,
+                                                                 self.first_expert), ids),
+                               weights, shared, scale)
+
+    def gathered(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """y [T, k, H] with every slot from the rank holding its expert (in rank order)."""
+        every = self.group.all_gather(y.unsqueeze(0))  # [N, T, k, H]
+        owner = (ids // self.local_experts).long()
+        t, k = ids.shape
+        rows = torch.arange(t, device=ids.device)[:, None].expand(t, k)
+        slots = torch.arange(k, device=ids.device)[None, :].expand(t, k)
+        return every[owner, rows, slots]
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -81,14 +109,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM (one device)."""
-
-    def __init__(self, cfg: MoeModelConfig, ops: OpBackend, max_model_len: int,
-                 group: TPGroup | None = None) -> None:
-        if group is not None and group.world_size > 1:
-            raise ValueError(f"tensor_parallel_size={group.world_size}: {cfg.architecture} "
-                             "(mixture of experts) runs on one device only")
-        super().__init__(cfg, ops, max_model_len, group)
+    """Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and MixtralForCausalLM."""
 
     def decoder_layer(self, cfg: MoeModelConfig, group: TPGroup, chains: int, qk_norm: bool,
                       bias: bool, index: int) -> nn.Module:

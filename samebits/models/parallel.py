@@ -27,6 +27,9 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   the peer's at once (``push_peer_slot``): the same values in the same slots.
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
+- ``expert_param``: a mixture of experts' stacked matrices, split by expert (expert parallel
+  inside the tensor-parallel group, ``ExpertSpec``): a rank holds whole experts, so an expert's
+  output has one device's bits at every N; the outputs are gathered, never summed.
 
 Loading (nano-vLLM's pattern): every parameter has ``weight_loader(param, loaded, shard)``, which
 reads only this rank's rows or columns of the checkpoint tensor ``loaded`` (a tensor, or a
@@ -84,6 +87,29 @@ class ShardSpec:
             self.rank * per:(self.rank + 1) * per]
         lo = mine[0][0]
         return tuple((a - lo, b - lo) for a, b in mine)
+
+
+@dataclass(frozen=True)
+class ExpertSpec(ShardSpec):
+    """Expert parallel: ``segments`` experts, each owning ``len(full_sizes) / segments``
+    consecutive shards; rank r holds experts [r E/N, (r+1) E/N) whole and no rows of the others
+    (their spans are empty)."""
+
+    def span(self, shard: int, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        expert = shard // (len(self.full_sizes) // self.segments)
+        owner = expert // (self.segments // self.world_size)
+        return (0, self.full_sizes[shard]) if owner == r else (0, 0)
+
+
+def expert_param(experts: int, shards: list[int], cols: int, group: TPGroup) -> nn.Parameter:
+    """Experts' stacked matrices [E' sum(shards), cols]: each expert's ``shards`` (row counts;
+    gate and up: two) in expert order, rank r holding its E' = E / N experts (``ExpertSpec``)."""
+    if experts % group.world_size:
+        raise ValueError(f"tensor_parallel_size={group.world_size} must divide the model's "
+                         f"{experts} experts")
+    spec = ExpertSpec(0, tuple(shards) * experts, experts, group.rank, group.world_size)
+    return _param(spec, experts // group.world_size * sum(shards), cols)
 
 
 def check_divides(group: TPGroup, segments: int) -> None:

@@ -77,6 +77,29 @@ def fused_experts(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.
         return fwd(x, w13, w2, weights, shared, scale)
 
 
+def expert_outputs(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   ids: torch.Tensor, first: int) -> torch.Tensor:
+    """y [T, k, H] in x's dtype, y[t, j] = expert_{ids[t, j]}(x[t]) for the experts this device
+    holds: ``w13`` / ``w2`` hold experts [first, first + E') (expert parallel); the slots of
+    other experts are left unspecified. A held slot has the bits ``fused_experts`` combines."""
+    inner = getattr(ops, "inner", ops)
+    with torch.no_grad():
+        return _outputs_impl(inner, x.device)(x, w13, w2, ids=ids, first=first)
+
+
+def combine_experts(ops: OpBackend, y: torch.Tensor, weights: torch.Tensor,
+                    shared: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """y [T, k, H] (every expert's outputs) -> [T, H]: ``fused_experts``' combine."""
+    inner = getattr(ops, "inner", ops)
+    with torch.no_grad():
+        if not inner.batch_invariant:
+            return combine_stock(y, weights, shared, scale, y.dtype)
+        if y.is_cuda:
+            from samebits.ops.triton import moe as triton_moe
+            return triton_moe.combined(y.flatten(0, 1), weights, shared, scale)
+        return combine_ordered(y, weights, shared, scale, y.dtype)
+
+
 # ---- dispatch ------------------------------------------------------------------------------
 def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
     if not inner.batch_invariant:
@@ -85,6 +108,16 @@ def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
         from samebits.ops.triton import moe as triton_moe
         return triton_moe.route
     return partial(_route, softmax=inner.softmax, topk=topk_lowest_id)
+
+
+def _outputs_impl(inner: OpBackend, device: torch.device) -> Callable:
+    if not inner.batch_invariant:
+        return _outputs_loop
+    if device.type == "cuda":
+        from samebits.ops.triton import moe as triton_moe
+        return lambda x, w13, w2, *, ids, first: triton_moe.expert_outputs(
+            x, w13, w2, ids=ids, first=first).view(*ids.shape, -1)
+    return expert_outputs_cpu
 
 
 def _experts_impl(inner: OpBackend, device: torch.device) -> Callable:
@@ -209,48 +242,73 @@ def _expert_packs(w: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     return packs
 
 
-def experts_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                shared: torch.Tensor | None, scale: torch.Tensor | None, *, ids: torch.Tensor
-                ) -> torch.Tensor:
-    """The invariant CPU experts: tokens grouped by expert, each group through the C++ linear
-    (row-invariant for any row count), SiLU row by row, the ordered combine."""
-    (t, h), k, inter = x.shape, ids.shape[1], w2.shape[2]
+def local_ids(ids: torch.Tensor, first: int, experts: int) -> torch.Tensor:
+    """Each assignment's held expert, flat: ``ids - first``, and ``experts`` (E') for every
+    expert outside [first, first + E') -- held by another rank."""
+    flat = ids.reshape(-1) - first
+    return torch.where((flat >= 0) & (flat < experts), flat, experts)
+
+
+def expert_outputs_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                       ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """The invariant CPU experts' y [T, k, H]: the held assignments grouped by expert, each group
+    through the C++ linear (row-invariant for any row count), SiLU row by row; others zero."""
+    (t, h), k, inter, experts = x.shape, ids.shape[1], w2.shape[2], w13.shape[0]
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    flat = ids.reshape(-1).long()
+    flat = local_ids(ids.long(), first, experts)
     order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts + 1).tolist()
+    order = order[:t * k - counts[experts]]  # the held assignments, by expert
     xs = x[order // k].to(cdt)
-    out = torch.empty(t * k, h, dtype=x.dtype)
+    out = torch.empty(order.numel(), h, dtype=x.dtype)
     packs13, packs2 = _expert_packs(w13, cdt), _expert_packs(w2, cdt)
     start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=w13.shape[0]).tolist()):
+    for e, n in enumerate(counts[:experts]):
         if n:
             rows = slice(start, start + n)
             gu = cpu_kernels.linear(xs[rows].contiguous(), packs13[e], 2 * inter).to(x.dtype)
             act = silu_mul_rows(gu[:, :inter], gu[:, inter:]).to(cdt).contiguous()
             out[rows] = cpu_kernels.linear(act, packs2[e], h).to(x.dtype)
             start += n
-    y = torch.empty_like(out)
+    y = torch.zeros(t * k, h, dtype=x.dtype)
     y[order] = out
-    return combine_ordered(y.view(t, k, h), weights, shared, scale, x.dtype)
+    return y.view(t, k, h)
 
 
-def _experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  shared: torch.Tensor | None, scale: torch.Tensor | None, *,
-                  ids: torch.Tensor, combine: Callable = combine_ordered) -> torch.Tensor:
-    """Stock ops: per expert, ``F.linear`` over its routed tokens (transformers' eager loop).
-    The standard CPU path (stock combine) and the backward's formula (ordered combine)."""
-    t, k = ids.shape
+def experts_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                shared: torch.Tensor | None, scale: torch.Tensor | None, *, ids: torch.Tensor
+                ) -> torch.Tensor:
+    """The invariant CPU experts (``expert_outputs_cpu``) and the ordered combine."""
+    return combine_ordered(expert_outputs_cpu(x, w13, w2, ids=ids), weights, shared, scale,
+                           x.dtype)
+
+
+def _outputs_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, ids: torch.Tensor,
+                  first: int = 0) -> torch.Tensor:
+    """Stock ops' y [T, k, H]: per held expert, ``F.linear`` over its routed tokens
+    (transformers' eager loop); other slots zero."""
+    (t, k), experts = ids.shape, w13.shape[0]
     rows, slots, outs = [], [], []
     for e in torch.unique(ids).tolist():
+        if not first <= e < first + experts:
+            continue
         tok, j = (ids == e).nonzero(as_tuple=True)
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, w2[e]))
+        gate, up = F.linear(x[tok], w13[e - first]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, w2[e - first]))
         rows.append(tok)
         slots.append(j)
     y = x.new_zeros(t, k, x.shape[1])
     if outs:
         y = y.index_put((torch.cat(rows), torch.cat(slots)), torch.cat(outs))
-    return combine(y, weights, shared, scale, x.dtype)
+    return y
+
+
+def _experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  shared: torch.Tensor | None, scale: torch.Tensor | None, *,
+                  ids: torch.Tensor, combine: Callable = combine_ordered) -> torch.Tensor:
+    """Stock ops (``_outputs_loop``) and a combine: the standard CPU path (stock combine) and
+    the backward's formula (ordered combine)."""
+    return combine(_outputs_loop(x, w13, w2, ids=ids), weights, shared, scale, x.dtype)
 
 
 def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -142,7 +142,36 @@ def test_update_of_one_expert_changes_only_its_tokens_and_bad_updates_change_not
     assert torch.equal(dummy.engine.prompt_logits(ids), logits)  # no stale packed expert
 
 
-def test_tensor_parallel_is_refused_for_moe():
-    cfg = registry.model_config(QWEN3_MOE)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*one device"):
-        build_model(cfg, INV, 64, "cpu", torch.float32, TPGroup(0, 2))
+def test_a_rank_holds_only_its_whole_experts_and_n_must_divide_them():
+    cfg = registry.model_config(QWEN3_MOE)  # 8 experts of 32 x 64, 2 KV heads
+    rank1 = build_model(cfg, INV, 64, "cpu", torch.float32, TPGroup(1, 2))
+    block = rank1.layers[1].mlp
+    assert (block.first_expert, block.local_experts) == (4, 4)
+    assert tuple(block.experts_gate_up.shape) == (4 * 2 * 32, 64)
+    assert tuple(block.experts_down.shape) == (4 * 64, 32)
+    # rank 1 reads the rows of experts 4..7 only; the others' spans are empty
+    spec = block.experts_down.spec
+    assert [spec.span(e) for e in (3, 4)] == [(0, 0), (0, 64)]
+    assert spec.sizes(2) == [64, 0]
+    bad = registry.model_config({**QWEN3_MOE, "num_experts": 6, "num_key_value_heads": 4})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide .* 6 experts"):
+        build_model(bad, INV, 64, "cpu", torch.float32, TPGroup(0, 4))
+
+
+def test_gathered_expert_outputs_combined_equal_one_device_and_rank_sums_do_not():
+    """Two ranks' held outputs, gathered slot by slot and combined, are the one-device
+    experts' bits; adding each rank's own weighted experts first (an all-reduce of partial
+    combines: the usual expert-parallel sum) is not."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 64, generator=gen)
+    w13, w2 = torch.randn(8, 64, 64, generator=gen) / 8, torch.randn(8, 64, 32, generator=gen) / 6
+    weights, ids = moe.select_experts(INV, torch.randn(24, 8, generator=gen), 4, True, False)
+    one = moe.fused_experts(INV, x, w13, w2, weights, ids)
+    halves = [moe.expert_outputs(INV, x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], ids,
+                                 r * 4) for r in (0, 1)]
+    owner = (ids // 4)[..., None]
+    y = torch.where(owner == 0, halves[0], halves[1])
+    assert torch.equal(moe.combine_experts(INV, y, weights, None, None), one)
+    partial_sums = [moe.combine_experts(INV, h * (owner == r), weights, None, None)
+                    for r, h in enumerate(halves)]
+    assert not torch.equal(partial_sums[0] + partial_sums[1], one)

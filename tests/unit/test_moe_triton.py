@@ -118,3 +118,37 @@ def test_combine_with_shared_expert_is_torchs_formula_bitwise():
     M.combine(y, w, shared, scale, out)
     want = ops_moe.combine_ordered(y.view(5, K, H), w, shared, scale, torch.float32)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("direct_max", [M.DIRECT_MAX, 0])  # one block per assignment; aligned
+def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direct_max,
+                                                                            monkeypatch):
+    """Expert parallel: each half of the experts (ids shifted by its first) computes exactly the
+    rows of the assignments routed to it, bit for bit the one-device experts' rows, and no
+    program writes another rank's rows; the align layouts agree (kernel and torch paths)."""
+    monkeypatch.setattr(M, "DIRECT_MAX", direct_max)
+    x, w13, w2, logits = _inputs(9, torch.float32, seed=4)
+    ids = M.route(logits, K, False, False)[1]
+    flat = ids.reshape(-1).to(torch.int32)
+    one = M._outputs(x, w13, w2, flat, K)
+    for first in (0, E // 2):
+        mine = (flat >= first) & (flat < first + E // 2)
+        with monkeypatch.context() as nan_start:
+            nan_start.setattr(torch, "empty", _filled(torch.empty))
+            y = M.expert_outputs(x, w13[first:first + E // 2], w2[first:first + E // 2],
+                                 ids=ids, first=first)
+        assert torch.equal(y[mine], one[mine])
+        assert bool(torch.isnan(y[~mine]).all()), "another rank's rows were written"
+        local = torch.where(mine, flat - first, E // 2)
+        got = M.align(local, E // 2, 16)
+        want = M._align_torch(local.long(), E // 2, 16, torch.empty_like(got))
+        assert torch.equal(got, want)
+        assert sorted(got[got < flat.numel()].tolist()) == mine.nonzero()[:, 0].tolist()
+
+
+def _filled(empty):
+    """``torch.empty`` whose float tensors start as NaN (so unwritten rows show)."""
+    def make(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return make

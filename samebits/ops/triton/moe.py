@@ -27,6 +27,10 @@ many tokens share the expert, the block it lands in, or BLOCK_M / BLOCK_N (which
 batch for speed: on Hopper the tile shape does not change a dot's bits, as for ``linear.py``;
 tests/gpu/test_moe_gpu.py checks it, and that an expert's output is the bits of the engine's
 ``linear`` / ``silu_mul`` / ``linear`` on that token).
+
+Expert parallel (``expert_outputs``): a tensor-parallel rank holds E' = E / N whole experts;
+the ids are shifted by its first expert, and another rank's expert (id E') takes no slot in the
+layout and no program in the GEMMs. The model gathers every rank's y, then ``combined``.
 """
 
 from __future__ import annotations
@@ -133,7 +137,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bo
 def _align_kernel(ids_ptr, sorted_ptr, A, E, SLOTS, BLOCK_A: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr,
                   PDL: tl.constexpr):
-    """One program: ``sorted_ptr[slot]`` = assignment, by expert then assignment index."""
+    """One program: ``sorted_ptr[slot]`` = assignment, by expert then assignment index
+    (assignments of expert E -- held by another rank -- get no slot)."""
     wait_for_inputs(PDL)
     for s in range(0, SLOTS, FILL):
         fill = s + tl.arange(0, FILL)
@@ -150,11 +155,12 @@ def _align_kernel(ids_ptr, sorted_ptr, A, E, SLOTS, BLOCK_A: tl.constexpr,
     key = tl.sort(e * BLOCK_A + a)
     se = key // BLOCK_A
     slot = tl.gather(pad_start, se, 0) + (a - tl.gather(start, se, 0))
-    tl.store(sorted_ptr + slot, key % BLOCK_A, mask=a < A)
+    tl.store(sorted_ptr + slot, key % BLOCK_A, mask=(a < A) & (se < E))
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int) -> torch.Tensor:
-    """sorted_ids [num_slots] int32 for ids [T, k] (see the module docstring, step 2)."""
+    """sorted_ids [num_slots] int32 for ids [T, k] (see the module docstring, step 2); an id
+    ``experts`` (another rank's expert) gets no slot."""
     flat = ids.reshape(-1)
     a = flat.numel()
     slots = num_slots(a, experts, block_m)
@@ -173,19 +179,21 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
                  ) -> torch.Tensor:
     """The same layout by torch ops (prefill-sized batches)."""
     se, sa = torch.sort(flat, stable=True)
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     start, pad_start = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
     slot = pad_start[se] + torch.arange(flat.numel(), device=flat.device) - start[se]
-    out.fill_(flat.numel())
-    out[slot] = sa.to(torch.int32)
+    slots = out.numel()
+    spill = out.new_empty(slots + 1).fill_(flat.numel())  # the last slot takes expert E's
+    spill[torch.where(se < experts, slot, slots)] = sa.to(torch.int32)
+    out.copy_(spill[:slots])
     return out
 
 
 # ---- 3, 4. grouped GEMM -----------------------------------------------------------------------
 @triton.jit
-def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride_xm, stride_we,
+def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, stride_xm, stride_we,
                      stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
@@ -194,7 +202,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
     expert alone (one ascending-K dot from zero).
 
-    DIRECT: no layout (``sorted_ptr`` unread): block b holds assignment b alone."""
+    DIRECT: no layout (``sorted_ptr`` unread): block b holds assignment b alone. An expert id
+    E (held by another rank) computes nothing."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -208,6 +217,8 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, N, K, stride
             return
         rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(ids_ptr + first).to(tl.int64)
+    if expert >= E:
+        return
     valid = rows < A
     if GATED:  # gate / up read the token's hidden state
         src = rows // TOP_K
@@ -261,7 +272,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     direct, pdl = sorted_ids is None, programmatic(out)
     blocks = flat_ids.numel() if direct else sorted_ids.numel() // cfg.block_m
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
-        x, w, out, flat_ids if direct else sorted_ids, flat_ids, flat_ids.numel(), n, k,
+        x, w, out, flat_ids if direct else sorted_ids, flat_ids, flat_ids.numel(), w.shape[0], n, k,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
@@ -305,23 +316,46 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   shared: torch.Tensor | None, scale: torch.Tensor | None, *,
                   ids: torch.Tensor) -> torch.Tensor:
     """The experts and their combine (steps 2-5) -> [T, H] in x's dtype."""
-    (t, h), top_k, experts = x.shape, ids.shape[1], w13.shape[0]
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    return combined(_outputs(x, w13, w2, flat, ids.shape[1]), weights, shared, scale)
+
+
+def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, ids: torch.Tensor,
+                   first: int) -> torch.Tensor:
+    """Steps 2-4 of the held experts (``w13`` [E', 2I, H] holds experts [first, first + E')):
+    y [T k, H] in x's dtype; the rows of other experts unspecified."""
+    experts = w13.shape[0]
+    flat = ids.reshape(-1).to(torch.int32) - first
+    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)  # E': not held
+    return _outputs(x, w13, w2, flat.contiguous(), ids.shape[1])
+
+
+def _outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: torch.Tensor,
+             top_k: int) -> torch.Tensor:
+    """Steps 2-4 for flat expert ids [T k] (id E' = w13.shape[0]: skipped) -> y [T k, H]."""
+    (t, h), experts, a = x.shape, w13.shape[0], flat.numel()
+    y = torch.empty(a, h, dtype=x.dtype, device=x.device)
     if not t:
-        return out
+        return y
     x = _unit_stride(x)
     w13, w2 = _unit_stride(w13), _unit_stride(w2)
-    flat = ids.reshape(-1).to(torch.int32).contiguous()
-    a = flat.numel()
     up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
                                                                            False)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
     sorted_ids = None if a <= DIRECT_MAX else align(flat, experts, up_cfg.block_m)
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, act, sorted_ids, flat, top_k, True, up_cfg)
-    y = torch.empty(a, h, dtype=x.dtype, device=x.device)
     moe_gemm(act, w2, y, sorted_ids, flat, top_k, False, down_cfg)
-    combine(y, weights.float().contiguous(), shared, scale, out)
+    return y
+
+
+def combined(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+             scale: torch.Tensor | None) -> torch.Tensor:
+    """Step 5: y [T k, H] -> [T, H] in y's dtype."""
+    t = weights.shape[0]
+    out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+    if t:
+        combine(y, weights.float().contiguous(), shared, scale, out)
     return out
 
 
