@@ -112,7 +112,8 @@ def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
 
 def _outputs_impl(inner: OpBackend, device: torch.device) -> Callable:
     if not inner.batch_invariant:
-        return _outputs_loop
+        return outputs_grouped_mm if device.type == "cuda" and hasattr(F, "grouped_mm") \
+            else _outputs_loop
     if device.type == "cuda":
         from samebits.ops.triton import moe as triton_moe
         return lambda x, w13, w2, *, ids, first: triton_moe.expert_outputs(
@@ -314,20 +315,28 @@ def _experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        weights: torch.Tensor, shared: torch.Tensor | None,
                        scale: torch.Tensor | None, *, ids: torch.Tensor) -> torch.Tensor:
-    """The stock CUDA path (transformers' default): tokens sorted by expert, two
-    ``F.grouped_mm`` over per-expert offsets, SiLU, the stock combine. No host sync. Other
-    dtypes than bf16 (grouped_mm's) take the Triton experts."""
-    (t, h), k = x.shape, ids.shape[1]
+    """The stock CUDA path (transformers' default): ``outputs_grouped_mm`` and the stock
+    combine."""
+    return combine_stock(outputs_grouped_mm(x, w13, w2, ids=ids), weights, shared, scale,
+                         x.dtype)
+
+
+def outputs_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                       ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Stock CUDA y [T, k, H]: the held assignments sorted by expert (others last, outside
+    every group: their rows unspecified), two ``F.grouped_mm`` over per-expert offsets, SiLU.
+    No host sync. Other dtypes than bf16 (grouped_mm's) take the Triton experts."""
+    (t, h), k, experts = x.shape, ids.shape[1], w13.shape[0]
     if x.dtype != torch.bfloat16:  # grouped_mm's dtype; the loop syncs, so no CUDA graphs
         from samebits.ops.triton import moe as triton_moe
-        return triton_moe.fused_experts(x, w13, w2, weights, shared, scale, ids=ids)
-    flat = ids.reshape(-1).long()
+        return triton_moe.expert_outputs(x, w13, w2, ids=ids, first=first).view(t, k, h)
+    flat = local_ids(ids.long(), first, experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    offs = torch.cumsum(counts[:experts], 0, dtype=torch.int32)
     gate, up = F.grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     out = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
     y = torch.empty_like(out)
     y[order] = out
-    return combine_stock(y.view(t, k, h), weights, shared, scale, x.dtype)
+    return y.view(t, k, h)
