@@ -29,7 +29,7 @@ from tests.gpu.captured import capture_as_engine  # noqa: E402
 
 OPS = TritonBackend()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-LEADS = [(1,), (37,), (200,), (4, 33)]  # decode, small batches, above SPLIT_MAX_M, [B, T]
+LEADS = [(1,), (37,), (200,), (4, 33), (600,), (1100,)]  # decode .. prefill (one chain: 3 tiles), [B, T]
 
 
 def _data(lead: tuple[int, ...], k: int, n: int, dtype: torch.dtype, seed: int = 0):

@@ -115,28 +115,30 @@ def test_segmented_tma_tiles_fit_shared_memory(segs: int, m: int, out: torch.dty
     scratch of its stores (as much again)."""
     layout = L.SegmentLayout(segs, 512)
     cfg = linear_tiles.segmented_tma_config(segs, m)
-    if not cfg.tma:  # the pointer kernel's tile: no staging
-        assert segs == 1 and m > linear_tiles.SMALL_TMA_M
-        return
     plan = L._seg_tma_plan(m, 4096, 512 * segs, torch.bfloat16, torch.bfloat16, out, layout,
                            cfg, True, peer)
     bm, bn, bk, stages = *plan.tail[5:8], plan.options["num_stages"]
-    cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True)
+    cfg = L.GemmConfig(bm, bn, bk, 4, stages, tma=True, subtile=plan.tail[-1])
     assert L.smem_bytes(cfg, torch.bfloat16, out, 1 + (peer is not None)) <= L.SMEM_BYTES
     assert layout.even(512 * segs, bk)
 
 
 def test_a_ranks_one_fp32_chain_is_its_split_partial_above_64_rows(launches):
-    """A TP rank's one chain (``linear_sum`` over one range): the segmented TMA kernel up to 256
-    rows, the pointer kernel above; either way the split program's one partial, bit for bit,
-    and a row's bits whatever M. Negative control: two chains differ."""
+    """A TP rank's one chain (``linear_sum`` over one range) takes the segmented TMA kernel
+    above 64 rows, its output stored in two column halves above 1024 rows (``subtile``), and
+    into a peer output too: the split program's one partial, bit for bit, and a row's bits
+    whatever M. Negative control: two chains differ."""
     k, n = 256, 40
-    x, w, _ = _data(300, k, n, 7)
+    x, w, _ = _data(1100, k, n, 7)
     one = ((0, k),)
     want = L.partials(x, w, one)[0]
-    for m in (70, 200, 300):
+    for m in (70, 200, 300, 1100):
         assert torch.equal(L.linear_sum(x[:m], w, one), want[:m]), m
-    assert len(launches) == 2  # 70 and 200 rows; 300 rows take the pointer kernel
+    out, peer = torch.full((1100, n), float("nan")), torch.full((1100, n), float("nan"))
+    assert linear_tiles.segmented_tma_config(1, 1100).subtile
+    L.linear_sum(x, w, one, out, peer)
+    assert torch.equal(out, want) and torch.equal(peer, want)
+    assert len(launches) == 5
     assert not torch.equal(L.linear_sum(x, w, row_parallel_bounds(k, 2)), want)
 
 

@@ -244,10 +244,10 @@ def _run_tma(p: _Plan, x: torch.Tensor, w: torch.Tensor, after: torch.Tensor | N
     and ``after`` (None for None). The C launcher's arguments (the tensor maps of x, w and out
     encoded) are built once per (kernel, plan, addresses)."""
     launcher = _SEG_TMA if p.seg_tma else _TMA
-    (bm, bk), (bn, _) = p.blocks
+    x_block, w_block, out_block = p.blocks
 
     def descriptors() -> tuple[Descriptor, ...]:
-        return Descriptor(x, (bm, bk)), Descriptor(w, (bn, bk)), Descriptor(out, (bm, bn))
+        return Descriptor(x, x_block), Descriptor(w, w_block), Descriptor(out, out_block)
 
     direct = launcher.direct(p.key, device)
     if direct is None:
@@ -287,7 +287,7 @@ class _Plan:
     grid: tuple[int, int, int]
     tail: tuple
     options: dict
-    blocks: tuple[tuple[int, int], ...] = ()  # TMA: (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K)
+    blocks: tuple[tuple[int, int], ...] = ()  # TMA: the x, w and out descriptors' blocks
     partials: int = 0
     sum: _SumPlan | None = None
     seg_tma: bool = False  # the launch is _segmented_tma_kernel's
@@ -406,7 +406,7 @@ def _tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype
                        bool(align & 4)))
     tail = (m, n, k, has_bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, pdl)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
+    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k), (cfg.block_m, cfg.block_n))
     return _Plan(True, key, (programs, 1, 1), tail, options, blocks)
 
 
@@ -435,9 +435,10 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
     programs = _programs(m, n, cfg)
     key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl, peer))
     tail = (m, n, k, layout.base // cfg.block_k, layout.count, cfg.block_m, cfg.block_n,
-            cfg.block_k, cfg.group_m, programs, pdl, peer is not None)
+            cfg.block_k, cfg.group_m, programs, pdl, peer is not None, cfg.subtile)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k))
+    blocks = ((cfg.block_m, cfg.block_k), (cfg.block_n, cfg.block_k),
+              (cfg.block_m, cfg.block_n // (2 if cfg.subtile else 1)))
     return _Plan(False, key, (programs, 1, 1), tail, options, blocks, seg_tma=True,
                  peer=peer is not None)
 

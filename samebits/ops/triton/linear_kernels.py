@@ -230,10 +230,12 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.co
 def _segmented_tma_kernel(x_desc, w_desc, out_desc, peer_ptr, M, N, K, SEG_TILES,
                           NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr, HAS_PEER: tl.constexpr):
-    """Persistent TMA GEMM over NUM_SEGS (2 .. 16) K segments of SEG_TILES whole BLOCK_K steps
+                          NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr, HAS_PEER: tl.constexpr,
+                          SUBTILE: tl.constexpr):
+    """Persistent TMA GEMM over NUM_SEGS (1 .. 16) K segments of SEG_TILES whole BLOCK_K steps
     each: every segment's partial accumulated from zero in fp32 over ascending K, the partials
-    added in ``tree_sum``'s order in registers, the sum cast to out's dtype and stored.
+    added in ``tree_sum``'s order in registers, the sum cast to out's dtype and stored (SUBTILE:
+    as two [BLOCK_M, BLOCK_N / 2] halves, ``out_desc``'s block, halving the output staging).
     HAS_PEER: the same tile values also stored, by plain masked stores, into a contiguous [M, N]
     tensor at ``peer_ptr`` (a tensor-parallel peer's slot; None and unused without it).
 
@@ -259,19 +261,50 @@ def _segmented_tma_kernel(x_desc, w_desc, out_desc, peer_ptr, M, N, K, SEG_TILES
         group_size = tl.minimum(grid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % width) % group_size
         pid_n = (tile % width) // group_size
-        for kk in range(NUM_SEGS * SEG_TILES):
-            a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
-            b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
-            if kk % SEG_TILES == SEG_TILES - 1:  # a segment's last step: its partial joins
-                seg = kk // SEG_TILES  # the tree and the accumulator restarts from zero
-                for s in tl.static_range(NUM_SEGS):
-                    s0, s1, s2, s3 = tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        value = s0.to(out_desc.dtype)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], value)
+        if NUM_SEGS == 1:  # one chain: no stack beside the accumulator (a 128x256 tile fits)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kk in range(SEG_TILES):
+                a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            value = acc.to(out_desc.dtype)
+        else:
+            for kk in range(NUM_SEGS * SEG_TILES):
+                a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+                if kk % SEG_TILES == SEG_TILES - 1:  # a segment's last step: its partial joins
+                    seg = kk // SEG_TILES  # the tree and the accumulator restarts from zero
+                    for s in tl.static_range(NUM_SEGS):
+                        s0, s1, s2, s3 = tree_step(acc, s0, s1, s2, s3, seg == s, NUM_SEGS, s)
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            value = s0.to(out_desc.dtype)
+        _store_tile(out_desc, peer_ptr, value, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, BLOCK_M,
+                    BLOCK_N, HAS_PEER, SUBTILE)
+
+
+@triton.jit
+def _store_tile(out_desc, peer_ptr, value, row0, col0, M, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_PEER: tl.constexpr, SUBTILE: tl.constexpr):
+    """``value`` [BLOCK_M, BLOCK_N] at (row0, col0) of out (by TMA; SUBTILE: two halves) and,
+    HAS_PEER, of the contiguous [M, N] peer output (masked stores)."""
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(value, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        lo, hi = tl.split(halves)
+        out_desc.store([row0, col0], lo)
+        out_desc.store([row0, col0 + BLOCK_N // 2], hi)
         if HAS_PEER:
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(peer_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], value, mask=mask)
+            _store_masked(peer_ptr, lo, row0, col0, M, N, BLOCK_M, BLOCK_N // 2)
+            _store_masked(peer_ptr, hi, row0, col0 + BLOCK_N // 2, M, N, BLOCK_M, BLOCK_N // 2)
+    else:
+        out_desc.store([row0, col0], value)
+        if HAS_PEER:
+            _store_masked(peer_ptr, value, row0, col0, M, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_masked(ptr, value, row0, col0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], value, mask=mask)

@@ -36,6 +36,7 @@ class GemmConfig:
     group_m: int = 8
     tma: bool = False  # persistent TMA kernel (16-bit dtypes, 16-byte aligned rows)
     prefetch: int = 0  # bytes of its weight rows a program asks L2 for before its input is ready
+    subtile: bool = False  # the segmented TMA kernel stores its output in two column halves
 
     def __post_init__(self) -> None:
         threads = self.num_warps * 32
@@ -77,14 +78,16 @@ class SegmentLayout:
         return self.extra == 0 and self.base % block_k == 0 and k % block_k == 0
 
 
-# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs); also
-# a TP rank's one fp32 chain above 256 rows (faster there than the TMA kernel's tiles, whose fp32
-# output staging crowds out their stages: H100, Qwen3-8B's TP 2 o_proj + down_proj, 512-8192
-# rows); from 129 to 256 rows that chain takes TWO_SEGMENT_TILES' first tile instead (the
-# pointer tile's 64 programs at 256 rows fill half the SMs: 2.4-2.5x the bf16 product's time)
+# the pointer kernel's tile for a segment's product above SPLIT_MAX_M rows (16-bit inputs) where
+# the segmented TMA kernel does not take it (more than SEGMENTED_TMA_MAX segments)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 SMALL_TMA_M = 128  # up to this many rows a segmented product takes SMALL_TMA_TILE
-ONE_CHAIN_TMA_MAX_M = 256  # a rank's one fp32 chain takes the TMA kernel up to this many rows
+# a rank's one fp32 chain above 256 rows, by rows: (max M, tile); the fastest of a sweep on
+# Qwen3-8B's TP 2 o_proj and down_proj (H100, .. 8192 rows): 0.70-0.80x the time of the pointer
+# tile, whose fp32 staging the TMA tiles' 128x256 shape takes in two halves
+ONE_CHAIN_TMA_MAX_M = 256  # up to this many rows a rank's one chain takes TWO_SEGMENT_TILES'
+ONE_CHAIN_TILES = ((1024, GemmConfig(128, 128, 64, 8, 4, tma=True)),
+                   (None, GemmConfig(128, 256, 64, 8, 3, tma=True, subtile=True)))
 SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
 # two segments (one GPU's share of TP 2's chains) by rows, beyond SMALL_TMA_M: (max M, tile);
 # each the fastest on Qwen3-8B's o_proj and down_proj (H100, benchmarks/segmented_linear.py):
@@ -149,12 +152,14 @@ def segmented_config(m: int, n: int, k: int, dtype: torch.dtype, layout: Segment
 def segmented_tma_config(segments: int, m: int) -> GemmConfig:
     """The tile of an M-row product over ``segments`` K segments above SPLIT_MAX_M rows (16-bit):
     ``_segmented_tma_kernel``'s by M and its stack depth (one segment -- an fp32 or peer-stored
-    chain -- as two up to 256 rows), or the pointer kernel's SEGMENTED_TILE (that one segment
-    above 256 rows, and more segments than the kernel sums)."""
-    if not 1 <= segments <= SEGMENTED_TMA_MAX or (segments == 1 and m > ONE_CHAIN_TMA_MAX_M):
+    chain -- as two up to 256 rows, ONE_CHAIN_TILES above), or the pointer kernel's
+    SEGMENTED_TILE (more segments than the kernel's stack takes)."""
+    if not 1 <= segments <= SEGMENTED_TMA_MAX:
         return SEGMENTED_TILE
     if m <= SMALL_TMA_M:
         return SMALL_TMA_TILE
+    if segments == 1 and m > ONE_CHAIN_TMA_MAX_M:
+        return next(cfg for top, cfg in ONE_CHAIN_TILES if top is None or m <= top)
     if segments <= 2:
         return next(cfg for top, cfg in TWO_SEGMENT_TILES if top is None or m <= top)
     return SEGMENTED_TMA_TILES[(segments - 1).bit_length() - 2]
@@ -191,10 +196,11 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 def smem_bytes(cfg: GemmConfig, x_dtype: torch.dtype, out_dtype: torch.dtype,
                outputs: int = 1) -> int:
     """Shared memory of a TMA tile: its stages of x and w blocks, and ``outputs`` output tiles
-    (the TMA store's staging tile; a second output's pointer stores take as much again, the
-    scratch of the accumulator's layout conversion)."""
+    (the TMA store's staging tile, half of it ``subtile``; a second output's pointer stores take
+    as much again, the scratch of the accumulator's layout conversion)."""
     stage = (cfg.block_m + cfg.block_n) * cfg.block_k * x_dtype.itemsize
-    return cfg.num_stages * stage + outputs * cfg.block_m * cfg.block_n * out_dtype.itemsize
+    staged = cfg.block_m * cfg.block_n // (2 if cfg.subtile else 1) * out_dtype.itemsize
+    return cfg.num_stages * stage + outputs * staged
 
 
 @functools.lru_cache(maxsize=64)
