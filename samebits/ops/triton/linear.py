@@ -418,9 +418,11 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
     output staging buffer overflow shared memory (an fp32 output is twice a bf16 one) takes half
     the BLOCK_K and up to twice the stages less one (at most 4); with a peer output (a second
     output tile of shared memory) it then drops stages, down to 2, before halving BLOCK_K
-    again; a tile wider than 128 columns that still overflows (fp32 or peer staging of a 256-wide
-    tile) takes a 128-wide one."""
-    given = cfg
+    again. A tile wider than 128 columns that overflows first stores its output in two halves
+    (``subtile``). Every tile ``segmented_tma_config`` gives then fits (else ValueError)."""
+    outputs = 1 + (peer is not None)
+    if cfg.block_n > 128 and smem_bytes(cfg, x_dtype, out_dtype, outputs) > SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, subtile=True)
     while smem_bytes(cfg, x_dtype, out_dtype) > SMEM_BYTES and cfg.block_k > MIN_BLOCK_K:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2,
                                   num_stages=min(2 * cfg.num_stages - 1, 4))
@@ -428,10 +430,8 @@ def _seg_tma_plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
             cfg.num_stages > 2 or cfg.block_k > MIN_BLOCK_K):
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1) if cfg.num_stages > 2 \
             else dataclasses.replace(cfg, block_k=cfg.block_k // 2)
-    if cfg.block_n > 128 and smem_bytes(cfg, x_dtype, out_dtype, 1 + (peer is not None)) \
-            > SMEM_BYTES:
-        narrow = dataclasses.replace(given, block_n=128, num_warps=8, num_stages=3, group_m=8)
-        return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, narrow, pdl, peer)
+    if smem_bytes(cfg, x_dtype, out_dtype, outputs) > SMEM_BYTES:
+        raise ValueError(f"linear: {cfg} does not fit shared memory")
     programs = _programs(m, n, cfg)
     key = _SEG_TMA.intern((x_dtype, w_dtype, out_dtype, n, k, layout, cfg, programs, pdl, peer))
     tail = (m, n, k, layout.base // cfg.block_k, layout.count, cfg.block_m, cfg.block_n,
