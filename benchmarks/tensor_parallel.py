@@ -17,7 +17,8 @@ chains, ``row_parallel_chains``); ``tokens_sha`` lets the runs be compared. ``--
 runs once more with one K chain per row-parallel linear (what one GPU ran before it ran TP 2's two
 chains), and TP 1's default is reported as a ratio to it (``ratio_to_one_chain``: the chains' cost;
 other tokens, as they must be). ``--push LEVEL ...``: every
-size above 1 runs once per level with ``SAMEBITS_TP_PUSH=LEVEL`` (bare ``--push``: 1; default 0;
+size above 1 runs once per level with ``SAMEBITS_TP_PUSH=LEVEL`` (bare ``--push``: 1; default 2,
+the engine's own at two ranks; 0: NCCL's gather;
 row-parallel sums pushed through symmetric memory, ``samebits.distributed.symmetric``; 2: stored
 into the peer by the GEMM itself, at TP 2), TP 1 once (a push needs peers); then per size and
 workload each level's tok/s as a ratio to the first level listed (``ratio_to_push0`` for
@@ -126,7 +127,7 @@ def main() -> None:
     p.add_argument("--max-piecewise-tokens", type=int, default=2048,
                    help="the engine's option: prefill and mixed steps of up to this many tokens "
                         "replay piecewise CUDA graphs; 0: eager")
-    p.add_argument("--push", type=int, nargs="*", default=[0], choices=(0, 1, 2),
+    p.add_argument("--push", type=int, nargs="*", default=[2], choices=(0, 1, 2),
                    help="SAMEBITS_TP_PUSH levels, each a run of every size above 1 (bare: 1)")
     p.add_argument("--one-chain", action="store_true",
                    help="also run TP 1 with one K chain per row-parallel linear")

@@ -217,13 +217,14 @@ def torch_supports(version: str = torch.__version__) -> bool:
     return TorchVersion(version) >= MIN_TORCH
 
 
-def wanted(width: int) -> int:
-    """The push level this rank asks for at connect (0: none): ``SAMEBITS_TP_PUSH`` where a
+def wanted(width: int, world_size: int) -> int:
+    """The push level this rank asks for at connect (0: none): ``SAMEBITS_TP_PUSH`` (by default
+    2 for two ranks -- the fused push, GPU-tested on two ranks -- and 0 for more) where a
     row-parallel layer pushes (``width`` > 0), torch is at least ``MIN_TORCH`` and this process
     has not rendezvoused before (``_RENDEZVOUSED``; else logged).
     Every CUDA rank of several reports it to the agreement (``open_exchange``), whatever it is,
     so ranks whose environments differ still take one path."""
-    level = env.tp_push() if width > 0 else 0
+    level = env.tp_push(2 if world_size == 2 else 0) if width > 0 else 0
     if level and _RENDEZVOUSED.is_set():
         log.warning("tensor parallel: an earlier engine of this process entered torch's "
                     "symmetric-memory rendezvous, which cannot be repeated with newly spawned "
@@ -269,7 +270,7 @@ def open_exchange(group: Group, width: int, max_rows: int = PUSH_MAX_ROWS
     raises on every rank."""
     if group.device.type != "cuda" or group.world_size == 1:
         return None
-    level = group.min_int(wanted(width))
+    level = group.min_int(wanted(width, group.world_size))
     if level == 0:
         return None
     local = _symmetric_empty((RINGS, group.world_size * max_rows * width), group.device)

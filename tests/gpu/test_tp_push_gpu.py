@@ -88,7 +88,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     checks: dict[str, bool] = {"exchange": group.exchange is not None,
                                "rings": [m.ring for m in layers] == [0, 1],
                                "fused": group.exchange is not None and group.exchange.fused,
-                               "level": env.tp_push()}
+                               "level": env.tp_push(0)}
     for t in TOKENS:
         x = _data(t, seed=t)
         mine = x[:, lo:hi].contiguous()
@@ -349,6 +349,9 @@ def _mixed_rank(rank: int, port: int, out: str, levels: tuple[str, str]) -> None
     layer = RowParallelLinear(K, H, S, group, S).cuda()
     group.connect(f"tcp://127.0.0.1:{port}")
     lo, hi = layer.weight.spec.span(0)
+    g = torch.Generator(device="cuda").manual_seed(0)  # the same full weights on both ranks
+    layer.weight.data = (torch.randn(H, K, device="cuda", generator=g) / K ** 0.5).bfloat16()[
+        :, lo:hi].contiguous()
     mine = _data(7, seed=7)[:, lo:hi].contiguous()
     gathered = group.all_gather(ops.linear_sum(mine, layer.weight, layer.k_bounds).unsqueeze(0))
     checks = {"exchange": group.exchange is not None,

@@ -38,13 +38,17 @@ def config(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tp2(config, tmp_path_factory) -> tuple[list, list[dict]]:
-    """TP 2's outputs and rank 0's collectives (``SAMEBITS_TP_TRACE``)."""
+    """TP 2's outputs and rank 0's collectives (``SAMEBITS_TP_TRACE``), its sums gathered by
+    NCCL (``SAMEBITS_TP_PUSH=0``; the push's slots are the same values, tests/gpu/
+    test_tp_push_gpu.py)."""
     traces = tmp_path_factory.mktemp("trace")
-    os.environ["SAMEBITS_TP_TRACE"] = str(traces)  # read by both ranks at connect
+    variables = {"SAMEBITS_TP_TRACE": str(traces), "SAMEBITS_TP_PUSH": "0"}
+    os.environ.update(variables)  # read by both ranks at connect
     try:
         llm = LLM(config, tensor_parallel_size=2, **OPTIONS)
     finally:
-        del os.environ["SAMEBITS_TP_TRACE"]
+        for name in variables:
+            del os.environ[name]
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     outs = _generate(llm)
     lines = (traces / "rank-0.jsonl").read_text().splitlines()

@@ -197,12 +197,14 @@ def test_takes_push_where_an_exchange_fits_and_the_ring_alternates():
     assert not takes_push(None, 0, None, 1, H)  # no exchange
 
 
-@pytest.mark.parametrize("width,on,want", [(H, "1", 1), (H, "2", 2), (H, "0", 0), (H, "", 0),
-                                           (H, "true", 1), (0, "1", 0), (0, "2", 0)])
+@pytest.mark.parametrize("width,on,want", [(H, "1", 1), (H, "2", 2), (H, "0", 0), (H, "", 2),
+                                           (H, "true", 1), (0, "1", 0), (0, "2", 0), (0, "", 0)])
 def test_a_rank_asks_for_its_push_level_only_where_a_layer_pushes(width, on, want,
                                                                   monkeypatch):
+    """Unset, two ranks ask for the fused push and more ranks for none."""
     monkeypatch.setenv("SAMEBITS_TP_PUSH", on)
-    assert wanted(width) == want
+    assert wanted(width, 2) == want
+    assert wanted(width, 4) == (0 if on == "" else want)
 
 
 def test_on_cpu_or_one_rank_no_rank_opens_anything_or_issues_a_collective(monkeypatch):
@@ -212,7 +214,7 @@ def test_on_cpu_or_one_rank_no_rank_opens_anything_or_issues_a_collective(monkey
         assert symmetric.open_exchange(group, H) is None
 
 
-@pytest.mark.parametrize("mine,peer,width", [("0", 1, H), ("1", 0, H), ("", 2, H), ("1", 1, 0)])
+@pytest.mark.parametrize("mine,peer,width", [("0", 1, H), ("1", 0, H), ("", 0, H), ("1", 1, 0)])
 def test_every_cuda_rank_agrees_on_the_level_even_where_its_own_is_off(mine, peer, width,
                                                                        monkeypatch):
     """A rank whose ``SAMEBITS_TP_PUSH`` is off (or whose model pushes nothing) still takes part
@@ -223,7 +225,7 @@ def test_every_cuda_rank_agrees_on_the_level_even_where_its_own_is_off(mine, pee
     group, agreed = TPGroup(0, 2, "cuda"), []
     monkeypatch.setattr(group, "min_int", lambda v: agreed.append(v) or min(v, peer))
     assert symmetric.open_exchange(group, width) is None
-    assert agreed == [wanted(width)]
+    assert agreed == [wanted(width, 2)]
 
 
 class _Handle:
@@ -345,7 +347,7 @@ def test_push_needs_torch_2_6_or_later(version, ok, monkeypatch):
     monkeypatch.setenv("SAMEBITS_TP_PUSH", "2")
     assert symmetric.torch_supports(version) is ok
     monkeypatch.setattr(symmetric, "torch_supports", lambda: ok)
-    assert wanted(H) == (2 if ok else 0)
+    assert wanted(H, 2) == (2 if ok else 0)
 
 
 def test_the_barrier_maps_every_ranks_flags_and_watches_a_clear_abort_word():

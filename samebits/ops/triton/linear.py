@@ -31,10 +31,11 @@ Hopper they do not change the bits (docs/DESIGN.md section 2, re-checked by
 tests/gpu/test_linear_bits.py). With one segment, rows above 64 take ``_linear_tma_kernel``
 (persistent, TMA loads), smaller ones the pointer kernel; a tensor-parallel rank's one chain
 (an fp32 output, maybe a peer's) takes ``_segmented_tma_kernel`` above 64 rows (its output in
-two column halves on the widest tile), the pointer kernel below. More than one segment above 64 rows, 16-bit and every segment whole
-BLOCK_K steps: ``_segmented_tma_kernel`` (persistent, TMA loads) adds the partials in registers in
-the same tree order, casts and stores once -- the same bits as the split schedule, without the
-[S, M, N] buffer and the sum kernel; other segmented products take the split schedule.
+two column halves on the widest tile), the pointer kernel below. More than one segment above
+64 rows, 16-bit and every segment whole BLOCK_K steps: ``_segmented_tma_kernel`` (persistent,
+TMA loads) adds the partials in registers in the same tree order, casts and stores once -- the
+same bits as the split schedule, without the [S, M, N] buffer and the sum kernel; other
+segmented products take the split schedule.
 
 A second output (``linear_sum``'s ``peer_out``: a tensor-parallel peer's slot, mapped here): the
 kernel that stores the final fp32 values -- the pointer kernel's one chain, the fused tree's
