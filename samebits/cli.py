@@ -157,6 +157,9 @@ def _vllm_args(p: argparse.ArgumentParser) -> None:
                    help="accepted; no effect (samebits parses Hermes <tool_call> blocks)")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="accepted; no effect (GET /tokenizer_info is always served)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="accepted; no effect (under tensor parallel experts are always split by "
+                   "expert)")
     p.add_argument("--disable-frontend-multiprocessing", dest="no_engine_process",
                    action="store_true", default=argparse.SUPPRESS,
                    help="the engine in a thread of the server process (as --no-engine-process)")

@@ -22,6 +22,9 @@ NO_EFFECT = {  # vLLM's LLM() options RL frameworks pass that change no output: 
     "enable_chunked_prefill": "samebits always chunks long prompts (max_num_batched_tokens), "
                               "and in the invariant mode chunk boundaries never change the bits",
     "disable_custom_all_reduce": "samebits' tensor-parallel sums are its own fixed-order ones",
+    "enable_expert_parallel": "under tensor parallel samebits always splits a mixture's experts "
+                              "by expert (each rank holds E/N whole experts), with one device's "
+                              "bits either way",
 }
 _said_no_effect: set[str] = set()
 

@@ -24,6 +24,9 @@ NO_EFFECT = {
                         "<tool_call> blocks",
     "enable_tokenizer_info_endpoint": "--enable-tokenizer-info-endpoint has no effect: "
                                       "GET /tokenizer_info is always served",
+    "enable_expert_parallel": "--enable-expert-parallel has no effect: under tensor parallel "
+                              "samebits always splits a mixture's experts by expert (each rank "
+                              "holds E/N whole experts), with one device's bits either way",
 }
 
 

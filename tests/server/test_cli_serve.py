@@ -73,7 +73,8 @@ def test_flags_without_effect_are_logged_with_the_reason(monkeypatch, capsys):
     started = _no_load(monkeypatch)
     code = main(["serve", "--port", str(_free_port()), "--trust-remote-code",
                  "--disable-log-requests", "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint"])
+                 "--tool-call-parser", "hermes", "--enable-tokenizer-info-endpoint",
+                 "--enable-expert-parallel"])
     assert code == 0 and len(started) == 1
     err = capsys.readouterr().err
     assert [line for line in NO_EFFECT.values() if line not in err] == []

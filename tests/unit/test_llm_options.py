@@ -71,7 +71,7 @@ def test_options_of_vllms_machinery_are_accepted_and_each_said_once(config_file,
     import samebits.llm_options
     monkeypatch.setattr(samebits.llm_options, "_said_no_effect", set())
     given = dict(disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
-                 disable_custom_all_reduce=True)
+                 disable_custom_all_reduce=True, enable_expert_parallel=True)
     with caplog.at_level(logging.INFO, logger="samebits"):
         for _ in range(2):
             llm = LLM(config_file, load_format="dummy", num_kv_blocks=8, **given)
