@@ -90,6 +90,11 @@ def tp_push(default: int) -> int:
         raise ValueError(f"SAMEBITS_TP_PUSH={raw!r}: expected 0, 1 or 2") from None
 
 
+def tp_push_given() -> bool:
+    """Whether SAMEBITS_TP_PUSH is set (not empty): a level asked for, not the default."""
+    return bool(os.environ.get("SAMEBITS_TP_PUSH", "").strip())
+
+
 def keep_torch_multicast_off() -> None:
     """The one variable samebits sets, for torch, before allocating symmetric memory:
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set. samebits never uses NVLink multicast

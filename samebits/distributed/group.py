@@ -5,18 +5,20 @@ are sized from them before any process group exists); ``connect`` joins the proc
 With one rank there is no process group and every collective is the identity.
 
 The invariant arithmetic uses only gathers: ``all_gather`` of fp32 row-parallel sums or
-partials (tree-summed by the caller, the same fp32 additions as on one device) and ``gather_cat``
-of row blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an all-reduce, whose
+partials (tree-summed by the caller, the same fp32 additions as on one device) and of a mixture's
+expert outputs (each slot then taken from the rank holding its expert), and ``gather_cat`` of row
+blocks in rank order; no reduction order depends on N. ``all_reduce_sum`` (an all-reduce, whose
 order is the library's) serves only the standard mode. Control messages (``broadcast_object``,
 ``min_int``) run over a gloo group on every device, so they never wait behind device work; with a
 ``queue`` attached (the engine's ranks), ``broadcast_object`` goes through that shared-memory
 ``MessageQueue`` instead -- a write and a poll, no round trip --, and only a message too large for
 one of its slots through gloo.
 
-``push_slot`` / ``push``: with ``SAMEBITS_TP_PUSH=1`` or 2 on CUDA, a row-parallel layer's fp32
-sums reach every rank through symmetric memory -- written into each peer's buffer (copied, or at
-2 with two ranks stored there by the GEMM itself: ``push_peer_slot``), then a device-side
-barrier that ``abort`` ends too -- instead of ``all_gather``, the same values in the same [N, T, H] slots
+``push_slot`` / ``push``: on CUDA (``SAMEBITS_TP_PUSH`` 1 or 2; 2 by default at two ranks), a
+row-parallel layer's fp32 sums reach every rank through symmetric memory -- written into each
+peer's buffer (copied, or at 2 with two ranks stored there by the GEMM itself:
+``push_peer_slot``), then a device-side barrier that ``abort`` ends too -- instead of
+``all_gather``, the same values in the same [N, T, H] slots
 (``samebits.distributed.symmetric``: the buffers, their ring of two and why every rank takes the
 same path). ``connect`` opens that exchange after its check, for the widest row a layer
 ``reserve_push``'d; rows above its capacity, and every group where it is off or failed to open,

@@ -225,15 +225,16 @@ def wanted(width: int, world_size: int) -> int:
     Every CUDA rank of several reports it to the agreement (``open_exchange``), whatever it is,
     so ranks whose environments differ still take one path."""
     level = env.tp_push(2 if world_size == 2 else 0) if width > 0 else 0
+    say = log.warning if env.tp_push_given() else log.info  # asked for, or the default
     if level and _RENDEZVOUSED.is_set():
-        log.warning("tensor parallel: an earlier engine of this process entered torch's "
-                    "symmetric-memory rendezvous, which cannot be repeated with newly spawned "
-                    "ranks; the row-parallel sums take NCCL's gather (the same bits)")
+        say("tensor parallel: an earlier engine of this process entered torch's symmetric-"
+            "memory rendezvous, which cannot be repeated with newly spawned ranks; the "
+            "row-parallel sums take NCCL's gather (the same bits)")
         return 0
     if level and not torch_supports():
-        log.warning("tensor parallel: SAMEBITS_TP_PUSH needs torch >= %d.%d (its "
-                    "symmetric-memory API), this is %s; the row-parallel sums take NCCL's "
-                    "gather", *MIN_TORCH, torch.__version__)
+        say("tensor parallel: the push exchange (SAMEBITS_TP_PUSH) needs torch >= %d.%d (its "
+            "symmetric-memory API), this is %s; the row-parallel sums take NCCL's gather",
+            *MIN_TORCH, torch.__version__)
         return 0
     return level
 

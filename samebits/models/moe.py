@@ -80,9 +80,8 @@ class SparseMoeBlock(nn.Module):
         w2 = self.experts_down.view(e, h.shape[-1], -1)
         if self.group.world_size == 1:
             return fused_experts(ops, h, w13, w2, weights, ids, shared, scale)
-        return combine_experts(ops, self.gathered(expert_outputs(ops, h, w13, w2, ids,
-                                                                 self.first_expert), ids),
-                               weights, shared, scale)
+        y = expert_outputs(ops, h, w13, w2, ids, self.first_expert, moe.num_experts)
+        return combine_experts(ops, self.gathered(y, ids), weights, shared, scale)
 
     def gathered(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """y [T, k, H] with every slot from the rank holding its expert (in rank order)."""

@@ -21,10 +21,10 @@ owning segments [r S/N, (r+1) S/N). One device is one rank owning all S segments
   A layer built ``into_norm`` (its output goes straight into the decoder's residual add +
   RMSNorm: o_proj, a decoder MLP's down_proj) hands that norm the gathered sums unsummed, a
   ``PendingRankSum``, where the backend sums them there (``sums_in_norm``) and there is no bias.
-  The ranks' sums travel by NCCL's gather, or -- ``SAMEBITS_TP_PUSH=1`` on CUDA -- each rank's
-  GEMM writes its sum straight into its slot of a symmetric-memory buffer that is then copied
-  to its peers' (``TPGroup.push_slot`` / ``push``), or -- 2, two ranks -- into its own slot and
-  the peer's at once (``push_peer_slot``): the same values in the same slots.
+  The ranks' sums travel by NCCL's gather, or on CUDA (``SAMEBITS_TP_PUSH``; by default at two
+  ranks) through symmetric memory: each rank's GEMM writes its sum into its own slot and the
+  peer's at once (level 2, two ranks: ``push_peer_slot``), or into its own slot, then copied to
+  its peers' (level 1: ``TPGroup.push_slot`` / ``push``): the same values in the same slots.
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocab rows split; looked-up rows and logits
   are gathered in rank order, never summed.
 - ``expert_param``: a mixture of experts' stacked matrices, split by expert (expert parallel
@@ -141,6 +141,8 @@ def sharded_weight_loader(param: nn.Parameter, loaded: Any, shard: int | None = 
         start = sum(param.shard_sizes[:shard])
         dest = dest.narrow(0, start, param.shard_sizes[shard])
     lo, hi = spec.span(i)
+    if hi == lo:  # another rank's expert: nothing of it is read
+        return
     index = (slice(None),) * (spec.dim or 0) + (slice(lo, hi),)
     dest.copy_(loaded[index])  # a safetensors slice reads only these rows / columns
 

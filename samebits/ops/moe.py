@@ -2,7 +2,9 @@
 
 ``select_experts(ops, logits, k, ...)`` -> (weights fp32 [T, k], ids int32 [T, k]) and
 ``fused_experts(ops, x, w13, w2, weights, ids, shared, scale)`` -> [T, H] in x's dtype, with
-``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I].
+``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I]. Expert
+parallel splits ``fused_experts`` in two: ``expert_outputs`` (y [T, k, H] of the experts this
+rank holds) and, once every slot is gathered from its holder, ``combine_experts``.
 
 Arithmetic of the invariant backends (a token's bits depend on its own row and the weights only):
 
@@ -78,13 +80,19 @@ def fused_experts(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.
 
 
 def expert_outputs(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   ids: torch.Tensor, first: int) -> torch.Tensor:
+                   ids: torch.Tensor, first: int, total: int) -> torch.Tensor:
     """y [T, k, H] in x's dtype, y[t, j] = expert_{ids[t, j]}(x[t]) for the experts this device
-    holds: ``w13`` / ``w2`` hold experts [first, first + E') (expert parallel); the slots of
-    other experts are left unspecified. A held slot has the bits ``fused_experts`` combines."""
+    holds: ``w13`` / ``w2`` hold experts [first, first + E') of the model's ``total`` (expert
+    parallel); the slots of other experts are left unspecified. A held slot has the bits
+    ``fused_experts`` combines."""
     inner = getattr(ops, "inner", ops)
     with torch.no_grad():
-        return _outputs_impl(inner, x.device)(x, w13, w2, ids=ids, first=first)
+        if inner.batch_invariant and x.is_cuda:
+            from samebits.ops.triton import moe as triton_moe
+            return triton_moe.expert_outputs(x, w13, w2, ids=ids, first=first,
+                                             total=total).view(*ids.shape, x.shape[-1])
+        impl = expert_outputs_cpu if inner.batch_invariant else _stock_outputs(x.device)
+        return impl(x, w13, w2, ids=ids, first=first)
 
 
 def combine_experts(ops: OpBackend, y: torch.Tensor, weights: torch.Tensor,
@@ -110,15 +118,10 @@ def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
     return partial(_route, softmax=inner.softmax, topk=topk_lowest_id)
 
 
-def _outputs_impl(inner: OpBackend, device: torch.device) -> Callable:
-    if not inner.batch_invariant:
-        return outputs_grouped_mm if device.type == "cuda" and hasattr(F, "grouped_mm") \
-            else _outputs_loop
-    if device.type == "cuda":
-        from samebits.ops.triton import moe as triton_moe
-        return lambda x, w13, w2, *, ids, first: triton_moe.expert_outputs(
-            x, w13, w2, ids=ids, first=first).view(*ids.shape, -1)
-    return expert_outputs_cpu
+def _stock_outputs(device: torch.device) -> Callable:
+    """The standard mode's expert outputs: grouped GEMMs on CUDA, the per-expert loop else."""
+    return outputs_grouped_mm if device.type == "cuda" and hasattr(F, "grouped_mm") \
+        else _outputs_loop
 
 
 def _experts_impl(inner: OpBackend, device: torch.device) -> Callable:
@@ -271,7 +274,7 @@ def expert_outputs_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
             act = silu_mul_rows(gu[:, :inter], gu[:, inter:]).to(cdt).contiguous()
             out[rows] = cpu_kernels.linear(act, packs2[e], h).to(x.dtype)
             start += n
-    y = torch.zeros(t * k, h, dtype=x.dtype)
+    y = (torch.zeros if counts[experts] else torch.empty)(t * k, h, dtype=x.dtype)
     y[order] = out
     return y.view(t, k, h)
 
@@ -316,7 +319,10 @@ def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        weights: torch.Tensor, shared: torch.Tensor | None,
                        scale: torch.Tensor | None, *, ids: torch.Tensor) -> torch.Tensor:
     """The stock CUDA path (transformers' default): ``outputs_grouped_mm`` and the stock
-    combine."""
+    combine. Other dtypes than bf16 (grouped_mm's) take the Triton experts and combine."""
+    if x.dtype != torch.bfloat16:
+        from samebits.ops.triton import moe as triton_moe
+        return triton_moe.fused_experts(x, w13, w2, weights, shared, scale, ids=ids)
     return combine_stock(outputs_grouped_mm(x, w13, w2, ids=ids), weights, shared, scale,
                          x.dtype)
 
@@ -325,9 +331,9 @@ def outputs_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                        ids: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Stock CUDA y [T, k, H]: the held assignments sorted by expert (others last, outside
     every group: their rows unspecified), two ``F.grouped_mm`` over per-expert offsets, SiLU.
-    No host sync. Other dtypes than bf16 (grouped_mm's) take the Triton experts."""
+    No host sync. Other dtypes than bf16 (grouped_mm's) take the Triton experts' outputs."""
     (t, h), k, experts = x.shape, ids.shape[1], w13.shape[0]
-    if x.dtype != torch.bfloat16:  # grouped_mm's dtype; the loop syncs, so no CUDA graphs
+    if x.dtype != torch.bfloat16:
         from samebits.ops.triton import moe as triton_moe
         return triton_moe.expert_outputs(x, w13, w2, ids=ids, first=first).view(t, k, h)
     flat = local_ids(ids.long(), first, experts)

@@ -1,12 +1,13 @@
 """Tensor parallel keeps a mixture of experts' bits (CPU, gloo): tiny random Qwen2-MoE (a shared
-expert with its sigmoid gate, qkv bias) and Qwen3-MoE checkpoints written by transformers return
+expert with its sigmoid gate, qkv bias), Qwen3-MoE and Mixtral checkpoints written by transformers return
 bitwise the same tokens, logprobs, scores and fingerprint from ``LLM(path)`` on one device and
 from two processes, each holding half of the experts whole (expert parallel) and half of the
 attention and dense MLPs; an update of experts held by either rank, and of the router, reaches
 the rank that holds them, and ``named_weights`` gathers one device's weights. Negative control
 (``tests/unit/test_moe.py``): summing each rank's own weighted experts first -- the usual expert-
 parallel all-reduce -- gives other bits than the one-device combine; and here the standard mode
-under TP 2 differs from the invariant one on the same inputs."""
+(stock per-expert matmuls and combine, an all-reduce of the attention's partial sums) differs
+between TP 1 and TP 2 on the same inputs."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
           SamplingParams(max_tokens=8, ignore_eos=True),
           SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
           SamplingParams(max_tokens=6, ignore_eos=True)]
+# experts held by rank 0 (1, 4) and rank 1 (6) and the router, as Qwen and Mixtral name them
 UPDATED = ("layers.0.mlp.experts.1.down_proj", "layers.0.mlp.experts.6.gate_proj",
-           "layers.0.mlp.gate.weight", "layers.0.mlp.experts.4.up_proj")
+           "layers.0.mlp.gate.weight", "layers.0.mlp.experts.4.up_proj",
+           "layers.0.block_sparse_moe.experts.1.w2", "layers.0.block_sparse_moe.experts.6.w1",
+           "layers.0.block_sparse_moe.gate.weight", "layers.0.block_sparse_moe.experts.4.w3")
 
 
 def _outputs(llm: LLM) -> tuple[list, list, str]:
@@ -45,7 +49,7 @@ def _run(path: str, new=None, **options) -> tuple[tuple[list, list, str], dict]:
         llm.engine.runner.shutdown()
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
 def moe(request, tmp_path_factory):
     """(model dir, ``LLM(path)``'s outputs and weights: one device)."""
     path = tmp_path_factory.mktemp(request.param)
@@ -75,7 +79,8 @@ def test_expert_updates_reach_the_rank_holding_them_tp_2_equals_tp_1(moe):
     assert all(torch.equal(one_weights[n], t) for n, t in new)
 
 
-def test_negative_control_standard_mode_tp_2_differs(moe):
-    path, (one, _) = moe
-    std, _ = _run(path, tensor_parallel_size=2, batch_invariant=False)
-    assert std[0] != one[0] or std[1] != one[1]
+def test_negative_control_standard_mode_tp_2_differs_from_its_tp_1(moe):
+    path, _ = moe
+    (one, _), (two, _) = (_run(path, tensor_parallel_size=n, batch_invariant=False)
+                          for n in (1, 2))
+    assert [lp for _, lp in one[0]] != [lp for _, lp in two[0]] or one[1] != two[1]

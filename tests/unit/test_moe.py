@@ -168,7 +168,7 @@ def test_gathered_expert_outputs_combined_equal_one_device_and_rank_sums_do_not(
     weights, ids = moe.select_experts(INV, torch.randn(24, 8, generator=gen), 4, True, False)
     one = moe.fused_experts(INV, x, w13, w2, weights, ids)
     halves = [moe.expert_outputs(INV, x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], ids,
-                                 r * 4) for r in (0, 1)]
+                                 r * 4, 8) for r in (0, 1)]
     owner = (ids // 4)[..., None]
     y = torch.where(owner == 0, halves[0], halves[1])
     assert torch.equal(moe.combine_experts(INV, y, weights, None, None), one)

@@ -125,25 +125,35 @@ def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direc
                                                                             monkeypatch):
     """Expert parallel: each half of the experts (ids shifted by its first) computes exactly the
     rows of the assignments routed to it, bit for bit the one-device experts' rows, and no
-    program writes another rank's rows; the align layouts agree (kernel and torch paths)."""
+    program writes another rank's rows -- also where it holds none of them, or where the batch
+    is empty; the align layouts agree (kernel and torch paths)."""
     monkeypatch.setattr(M, "DIRECT_MAX", direct_max)
     x, w13, w2, logits = _inputs(9, torch.float32, seed=4)
     ids = M.route(logits, K, False, False)[1]
-    flat = ids.reshape(-1).to(torch.int32)
-    one = M._outputs(x, w13, w2, flat, K)
-    for first in (0, E // 2):
-        mine = (flat >= first) & (flat < first + E // 2)
-        with monkeypatch.context() as nan_start:
-            nan_start.setattr(torch, "empty", _filled(torch.empty))
-            y = M.expert_outputs(x, w13[first:first + E // 2], w2[first:first + E // 2],
-                                 ids=ids, first=first)
-        assert torch.equal(y[mine], one[mine])
-        assert bool(torch.isnan(y[~mine]).all()), "another rank's rows were written"
-        local = torch.where(mine, flat - first, E // 2)
-        got = M.align(local, E // 2, 16)
-        want = M._align_torch(local.long(), E // 2, 16, torch.empty_like(got))
-        assert torch.equal(got, want)
-        assert sorted(got[got < flat.numel()].tolist()) == mine.nonzero()[:, 0].tolist()
+    low = ids % (E // 2)  # every assignment on the first half: the second holds none
+    for routed in (ids, low):
+        flat = routed.reshape(-1).to(torch.int32)
+        one = M._outputs(x, w13, w2, flat, K)
+        for first in (0, E // 2):
+            mine = (flat >= first) & (flat < first + E // 2)
+            y = _held_outputs(x, w13, w2, routed, first, monkeypatch)
+            assert torch.equal(y[mine], one[mine])
+            assert bool(torch.isnan(y[~mine]).all()), "another rank's rows were written"
+            local = torch.where(mine, flat - first, E // 2)
+            got = M.align(local, E // 2, 16)
+            want = M._align_torch(local.long(), E // 2, 16, torch.empty_like(got))
+            assert torch.equal(got, want)
+            assert sorted(got[got < flat.numel()].tolist()) == mine.nonzero()[:, 0].tolist()
+    empty = _held_outputs(x[:0], w13, w2, ids[:0], E // 2, monkeypatch)
+    assert empty.shape == (0, H) and M.combined(empty, torch.zeros(0, K), None, None).shape == (0, H)
+
+
+def _held_outputs(x, w13, w2, ids, first, monkeypatch):
+    """``expert_outputs`` of experts [first, first + E/2), its buffers starting as NaN."""
+    with monkeypatch.context() as nan_start:
+        nan_start.setattr(torch, "empty", _filled(torch.empty))
+        return M.expert_outputs(x, w13[first:first + E // 2], w2[first:first + E // 2], ids=ids,
+                                first=first, total=E)
 
 
 def _filled(empty):

@@ -128,14 +128,16 @@ def test_a_ranks_one_fp32_chain_is_its_split_partial_above_64_rows(launches):
     above 64 rows, its output stored in two column halves above 1024 rows (``subtile``), and
     into a peer output too: the split program's one partial, bit for bit, and a row's bits
     whatever M. Negative control: two chains differ."""
-    k, n = 256, 40
+    k, n = 256, 300  # past one 128x256 tile: both halves of the second hold columns
     x, w, _ = _data(1100, k, n, 7)
     one = ((0, k),)
     want = L.partials(x, w, one)[0]
     for m in (70, 200, 300, 1100):
         assert torch.equal(L.linear_sum(x[:m], w, one), want[:m]), m
     out, peer = torch.full((1100, n), float("nan")), torch.full((1100, n), float("nan"))
-    assert linear_tiles.segmented_tma_config(1, 1100).subtile
+    plan = L._seg_tma_plan(1100, n, k, x.dtype, w.dtype, torch.float32, L.SegmentLayout(1, k),
+                           linear_tiles.segmented_tma_config(1, 1100), False)
+    assert plan.tail[-1], "the 128x256 tile stores its fp32 output in two halves"
     L.linear_sum(x, w, one, out, peer)
     assert torch.equal(out, want) and torch.equal(peer, want)
     assert len(launches) == 5

@@ -339,6 +339,19 @@ def test_a_probe_that_raises_on_any_rank_makes_every_rank_gather(raised_here, mo
     assert ("probe raised (ValueError" in caplog.text) is raised_here
 
 
+@pytest.mark.parametrize("given,level", [("2", "WARNING"), ("", "INFO")])
+def test_a_push_not_taken_is_a_warning_only_where_it_was_asked_for(given, level, monkeypatch,
+                                                                  caplog):
+    """Below ``MIN_TORCH`` no push: a warning where ``SAMEBITS_TP_PUSH`` asked for it, an info
+    line where it was the two ranks' default."""
+    monkeypatch.setenv("SAMEBITS_TP_PUSH", given)
+    monkeypatch.setattr(symmetric, "torch_supports", lambda: False)
+    caplog.set_level("INFO", logger="samebits")
+    assert wanted(H, 2) == 0
+    said = [r for r in caplog.records if "needs torch" in r.getMessage()]
+    assert [r.levelname for r in said] == [level]
+
+
 @pytest.mark.parametrize("version,ok", [("2.5.1", False), ("2.6.0a0+git1", False),
                                         ("2.6.0", True), ("2.11.0+cu128", True),
                                         ("2.13.0+cpu", True)])

@@ -345,8 +345,8 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous, wide_out=True)):
         return _seg_tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, layout, cfg, pdl,
                              None if peer is None else bool(align & 16))
-    if cfg.tma and (segs > 1 or has_peer):  # the pointer kernel's tile (one with a peer store)
-        cfg = SEGMENTED_TILE
+    if cfg.tma and (segs > 1 or has_peer or out_dtype == torch.float32):
+        cfg = SEGMENTED_TILE  # the pointer kernel's tile for what the TMA kernels did not take
     even = layout.even(k, cfg.block_k)
     fused = not keep and 1 < segs <= FUSED_MAX_SEGS and tree_kernel_sums(segs) and even and \
         FUSED_MIN_M < m <= SPLIT_MAX_M  # one program per tile walks every segment

@@ -82,12 +82,13 @@ class SegmentLayout:
 # the segmented TMA kernel does not take it (more than SEGMENTED_TMA_MAX segments)
 SEGMENTED_TILE = GemmConfig(128, 128, 64, 8, 3)
 SMALL_TMA_M = 128  # up to this many rows a segmented product takes SMALL_TMA_TILE
-# a rank's one fp32 chain above 256 rows, by rows: (max M, tile); the fastest of a sweep on
-# Qwen3-8B's TP 2 o_proj and down_proj (H100, .. 8192 rows): 0.70-0.80x the time of the pointer
-# tile, whose fp32 staging the TMA tiles' 128x256 shape takes in two halves
-ONE_CHAIN_TMA_MAX_M = 256  # up to this many rows a rank's one chain takes TWO_SEGMENT_TILES'
+# a rank's one fp32 chain: up to ONE_CHAIN_TMA_MAX_M rows TWO_SEGMENT_TILES' first tile, above
+# it ONE_CHAIN_TILES by rows, (max M, tile): the fastest of a sweep on Qwen3-8B's TP 2 o_proj
+# and down_proj (H100, 256-8192 rows; 0.70-0.80x the pointer tile's time); the 128x256 tile's
+# fp32 output fits shared memory beside its stages only in two halves (``_seg_tma_plan``)
+ONE_CHAIN_TMA_MAX_M = 256
 ONE_CHAIN_TILES = ((1024, GemmConfig(128, 128, 64, 8, 4, tma=True)),
-                   (None, GemmConfig(128, 256, 64, 8, 3, tma=True, subtile=True)))
+                   (None, GemmConfig(128, 256, 64, 8, 3, tma=True)))
 SMALL_TMA_TILE = GemmConfig(64, 64, 128, 4, 6, tma=True)
 # two segments (one GPU's share of TP 2's chains) by rows, beyond SMALL_TMA_M: (max M, tile);
 # each the fastest on Qwen3-8B's o_proj and down_proj (H100, benchmarks/segmented_linear.py):

@@ -321,26 +321,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, ids: torch.Tensor,
-                   first: int) -> torch.Tensor:
-    """Steps 2-4 of the held experts (``w13`` [E', 2I, H] holds experts [first, first + E')):
-    y [T k, H] in x's dtype; the rows of other experts unspecified."""
+                   first: int, total: int) -> torch.Tensor:
+    """Steps 2-4 of the held experts (``w13`` [E', 2I, H] holds experts [first, first + E') of
+    the model's ``total``): y [T k, H] in x's dtype; the rows of other experts unspecified. The
+    tiles are those one device picks for the same batch (``pick_config`` over ``total``)."""
     experts = w13.shape[0]
     flat = ids.reshape(-1).to(torch.int32) - first
     flat = torch.where((flat >= 0) & (flat < experts), flat, experts)  # E': not held
-    return _outputs(x, w13, w2, flat.contiguous(), ids.shape[1])
+    return _outputs(x, w13, w2, flat.contiguous(), ids.shape[1], total)
 
 
 def _outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: torch.Tensor,
-             top_k: int) -> torch.Tensor:
-    """Steps 2-4 for flat expert ids [T k] (id E' = w13.shape[0]: skipped) -> y [T k, H]."""
+             top_k: int, total: int | None = None) -> torch.Tensor:
+    """Steps 2-4 for flat expert ids [T k] (id E' = w13.shape[0]: skipped) -> y [T k, H];
+    tiles by the assignments spread over ``total`` experts (default E')."""
     (t, h), experts, a = x.shape, w13.shape[0], flat.numel()
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
     if not t:
         return y
     x = _unit_stride(x)
     w13, w2 = _unit_stride(w13), _unit_stride(w2)
-    up_cfg, down_cfg = pick_config(a, experts, x.dtype, True), pick_config(a, experts, x.dtype,
-                                                                           False)
+    spread = total or experts
+    up_cfg, down_cfg = pick_config(a, spread, x.dtype, True), pick_config(a, spread, x.dtype,
+                                                                          False)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
     sorted_ids = None if a <= DIRECT_MAX else align(flat, experts, up_cfg.block_m)
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
