@@ -154,19 +154,40 @@ _EXPERT_NAMES = {False: ("gate_proj", "up_proj", "down_proj"), True: ("w1", "w3"
 
 def _unstacked(weights: Iterable[tuple[str, Any]], mixtral: bool
                ) -> Iterator[tuple[str, Any]]:
-    """Each stacked expert tensor (or safetensors slice) as its per-expert HF tensors; others
-    unchanged."""
+    """Each stacked expert tensor (or safetensors slice) as its per-expert HF tensors (of a
+    slice: ``_ExpertPart``s, read only where a rank holds the expert); others unchanged."""
     gate, up, down = _EXPERT_NAMES[mixtral]
     for name, t in weights:
         stem, _, leaf = name.rpartition(".experts.")
-        if leaf not in ("gate_up_proj", "down_proj") or len(tensor_shape(t)) != 3:
+        shape = tensor_shape(t)
+        if leaf not in ("gate_up_proj", "down_proj") or len(shape) != 3:
             yield name, t
             continue
-        t = t if isinstance(t, torch.Tensor) else t[:]
-        for e in range(t.shape[0]):
+        rows = shape[1] // 2
+        for e in range(shape[0]):
             if leaf == "down_proj":
-                yield f"{stem}.experts.{e}.{down}.weight", t[e]
+                yield f"{stem}.experts.{e}.{down}.weight", _part(t, e, 0, shape[1])
             else:
-                half = t.shape[1] // 2
-                yield f"{stem}.experts.{e}.{gate}.weight", t[e, :half]
-                yield f"{stem}.experts.{e}.{up}.weight", t[e, half:]
+                yield f"{stem}.experts.{e}.{gate}.weight", _part(t, e, 0, rows)
+                yield f"{stem}.experts.{e}.{up}.weight", _part(t, e, rows, 2 * rows)
+
+
+def _part(stacked: Any, e: int, lo: int, hi: int) -> Any:
+    """Rows [lo, hi) of expert ``e``: a view of a tensor, else an ``_ExpertPart``."""
+    if isinstance(stacked, torch.Tensor):
+        return stacked[e, lo:hi]
+    return _ExpertPart(stacked, e, lo, hi)
+
+
+class _ExpertPart:
+    """Rows [lo, hi) of expert ``e`` of a stacked safetensors slice, read when indexed (as the
+    weight loader reads a slice: ``get_shape``, ``part[index]``)."""
+
+    def __init__(self, stacked: Any, e: int, lo: int, hi: int) -> None:
+        self.stacked, self.e, self.lo, self.hi = stacked, e, lo, hi
+
+    def get_shape(self) -> list[int]:
+        return [self.hi - self.lo, *self.stacked.get_shape()[2:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.stacked[self.e:self.e + 1, self.lo:self.hi][0][index]

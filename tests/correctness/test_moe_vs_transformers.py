@@ -71,3 +71,32 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path):
     b = LLM(str(tmp_path / "stacked"), num_kv_blocks=8)
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(),
                                                           strict=True))
+
+
+def test_a_rank_reads_only_its_experts_of_a_stacked_checkpoint(tmp_path, monkeypatch):
+    """Rank 1 of 2 loading the stacked layout reads experts 4-7 alone (each a part of the
+    stacked safetensors slice), and holds exactly transformers' weights for them."""
+    import json
+
+    from safetensors import safe_open
+
+    from samebits.distributed.group import TPGroup
+    from samebits.loader import build_model
+    from samebits.models import moe as moe_model
+    from samebits.models import registry
+    from samebits.ops.backend import get_backend
+    hf_model = write_tiny_moe("mixtral", tmp_path / "per_expert")
+    hf_model.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    config = json.loads((tmp_path / "stacked" / "config.json").read_text())
+    model = build_model(registry.model_config(config), get_backend("cpu", True), 64, "cpu",
+                        torch.float32, TPGroup(1, 2))
+    read: set[int] = set()
+    part_read = moe_model._ExpertPart.__getitem__
+    monkeypatch.setattr(moe_model._ExpertPart, "__getitem__",
+                        lambda self, index: read.add(self.e) or part_read(self, index))
+    with safe_open(tmp_path / "stacked" / "model.safetensors", "pt") as f:
+        model.load_weights((k, f.get_slice(k)) for k in f.keys())  # noqa: SIM118
+    assert read == {4, 5, 6, 7}
+    want = hf_model.model.layers[1].mlp.experts
+    held = model.layers[1].mlp.experts_gate_up.view(4, -1, 64)
+    assert torch.equal(held, want.gate_up_proj[4:].detach())
