@@ -87,11 +87,13 @@ def expert_outputs(ops: OpBackend, x: torch.Tensor, w13: torch.Tensor, w2: torch
     ``fused_experts`` combines."""
     inner = getattr(ops, "inner", ops)
     with torch.no_grad():
-        if inner.batch_invariant and x.is_cuda:
+        if x.is_cuda and (inner.batch_invariant or not _grouped_mm_takes(x)):
             from samebits.ops.triton import moe as triton_moe
-            return triton_moe.expert_outputs(x, w13, w2, ids=ids, first=first,
-                                             total=total).view(*ids.shape, x.shape[-1])
-        impl = expert_outputs_cpu if inner.batch_invariant else _stock_outputs(x.device)
+            flat = local_ids(ids, first, w13.shape[0]).to(torch.int32).contiguous()
+            return triton_moe.expert_outputs(x, w13, w2, flat, ids.shape[1], total).view(
+                *ids.shape, x.shape[-1])
+        impl = outputs_grouped_mm if x.is_cuda else (
+            expert_outputs_cpu if inner.batch_invariant else _outputs_loop)
         return impl(x, w13, w2, ids=ids, first=first)
 
 
@@ -118,10 +120,9 @@ def _route_impl(inner: OpBackend, device: torch.device) -> Callable:
     return partial(_route, softmax=inner.softmax, topk=topk_lowest_id)
 
 
-def _stock_outputs(device: torch.device) -> Callable:
-    """The standard mode's expert outputs: grouped GEMMs on CUDA, the per-expert loop else."""
-    return outputs_grouped_mm if device.type == "cuda" and hasattr(F, "grouped_mm") \
-        else _outputs_loop
+def _grouped_mm_takes(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (the stock CUDA experts) takes x: bf16, where it exists."""
+    return x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
 def _experts_impl(inner: OpBackend, device: torch.device) -> Callable:
@@ -320,7 +321,7 @@ def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        scale: torch.Tensor | None, *, ids: torch.Tensor) -> torch.Tensor:
     """The stock CUDA path (transformers' default): ``outputs_grouped_mm`` and the stock
     combine. Other dtypes than bf16 (grouped_mm's) take the Triton experts and combine."""
-    if x.dtype != torch.bfloat16:
+    if not _grouped_mm_takes(x):
         from samebits.ops.triton import moe as triton_moe
         return triton_moe.fused_experts(x, w13, w2, weights, shared, scale, ids=ids)
     return combine_stock(outputs_grouped_mm(x, w13, w2, ids=ids), weights, shared, scale,
@@ -331,11 +332,8 @@ def outputs_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                        ids: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Stock CUDA y [T, k, H]: the held assignments sorted by expert (others last, outside
     every group: their rows unspecified), two ``F.grouped_mm`` over per-expert offsets, SiLU.
-    No host sync. Other dtypes than bf16 (grouped_mm's) take the Triton experts' outputs."""
+    No host sync. bf16 only (``_grouped_mm_takes``)."""
     (t, h), k, experts = x.shape, ids.shape[1], w13.shape[0]
-    if x.dtype != torch.bfloat16:
-        from samebits.ops.triton import moe as triton_moe
-        return triton_moe.expert_outputs(x, w13, w2, ids=ids, first=first).view(t, k, h)
     flat = local_ids(ids.long(), first, experts)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)

@@ -133,7 +133,7 @@ def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direc
     low = ids % (E // 2)  # every assignment on the first half: the second holds none
     for routed in (ids, low):
         flat = routed.reshape(-1).to(torch.int32)
-        one = M._outputs(x, w13, w2, flat, K)
+        one = M.expert_outputs(x, w13, w2, flat, K)
         for first in (0, E // 2):
             mine = (flat >= first) & (flat < first + E // 2)
             y = _held_outputs(x, w13, w2, routed, first, monkeypatch)
@@ -149,11 +149,13 @@ def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direc
 
 
 def _held_outputs(x, w13, w2, ids, first, monkeypatch):
-    """``expert_outputs`` of experts [first, first + E/2), its buffers starting as NaN."""
+    """``expert_outputs`` of experts [first, first + E/2) (``local_ids``: the others E/2), its
+    buffers starting as NaN."""
     with monkeypatch.context() as nan_start:
         nan_start.setattr(torch, "empty", _filled(torch.empty))
-        return M.expert_outputs(x, w13[first:first + E // 2], w2[first:first + E // 2], ids=ids,
-                                first=first, total=E)
+        flat = ops_moe.local_ids(ids, first, E // 2).to(torch.int32).contiguous()
+        return M.expert_outputs(x, w13[first:first + E // 2], w2[first:first + E // 2], flat, K,
+                                total=E)
 
 
 def _filled(empty):

@@ -29,7 +29,7 @@ tests/gpu/test_moe_gpu.py checks it, and that an expert's output is the bits of 
 ``linear`` / ``silu_mul`` / ``linear`` on that token).
 
 Expert parallel (``expert_outputs``): a tensor-parallel rank holds E' = E / N whole experts;
-the ids are shifted by its first expert, and another rank's expert (id E') takes no slot in the
+the ids come shifted by its first expert, and another rank's expert (id E') takes no slot in the
 layout and no program in the GEMMs. The model gathers every rank's y, then ``combined``.
 """
 
@@ -317,24 +317,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor) -> torch.Tensor:
     """The experts and their combine (steps 2-5) -> [T, H] in x's dtype."""
     flat = ids.reshape(-1).to(torch.int32).contiguous()
-    return combined(_outputs(x, w13, w2, flat, ids.shape[1]), weights, shared, scale)
+    return combined(expert_outputs(x, w13, w2, flat, ids.shape[1]), weights, shared, scale)
 
 
-def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, ids: torch.Tensor,
-                   first: int, total: int) -> torch.Tensor:
-    """Steps 2-4 of the held experts (``w13`` [E', 2I, H] holds experts [first, first + E') of
-    the model's ``total``): y [T k, H] in x's dtype; the rows of other experts unspecified. The
-    tiles are those one device picks for the same batch (``pick_config`` over ``total``)."""
-    experts = w13.shape[0]
-    flat = ids.reshape(-1).to(torch.int32) - first
-    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)  # E': not held
-    return _outputs(x, w13, w2, flat.contiguous(), ids.shape[1], total)
-
-
-def _outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: torch.Tensor,
-             top_k: int, total: int | None = None) -> torch.Tensor:
-    """Steps 2-4 for flat expert ids [T k] (id E' = w13.shape[0]: skipped) -> y [T k, H];
-    tiles by the assignments spread over ``total`` experts (default E')."""
+def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: torch.Tensor,
+                   top_k: int, total: int | None = None) -> torch.Tensor:
+    """Steps 2-4 for the flat int32 expert ids [T k] of the experts ``w13`` [E', 2I, H] holds
+    (id E': another rank's expert, skipped: ``samebits.ops.moe.local_ids``) -> y [T k, H] in x's
+    dtype, the skipped rows unspecified. Tiles by the assignments spread over ``total`` experts
+    (the model's; default E'), so a rank picks one device's tiles for the same batch."""
     (t, h), experts, a = x.shape, w13.shape[0], flat.numel()
     y = torch.empty(a, h, dtype=x.dtype, device=x.device)
     if not t:
