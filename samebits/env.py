@@ -71,28 +71,23 @@ def tp_trace_dir() -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
-def tp_push(default: int) -> int:
-    """SAMEBITS_TP_PUSH=0|1|2 (``default`` where unset or empty): CUDA ranks exchange their
-    row-parallel layers' fp32 sums by writing them into each other's symmetric-memory buffer and
-    meeting at a device-side barrier (``samebits.distributed.symmetric``) instead of NCCL's
-    gather: the same values in the same slots, so the same bits. 1: the GEMM writes this rank's
-    slot, a copy sends it to the peers; 2: with two ranks the GEMM's kernel stores each tile
-    into the peer's slot too (no copy; more ranks copy as 1). ``true``/``false`` read as 1/0.
-    Read by every rank when it connects."""
+def tp_push() -> int | None:
+    """SAMEBITS_TP_PUSH=0|1|2, None where unset or empty (the caller's default): CUDA ranks
+    exchange their row-parallel layers' fp32 sums by writing them into each other's
+    symmetric-memory buffer and meeting at a device-side barrier
+    (``samebits.distributed.symmetric``) instead of NCCL's gather: the same values in the same
+    slots, so the same bits. 1: the GEMM writes this rank's slot, a copy sends it to the peers;
+    2: with two ranks the GEMM's kernel stores each tile into the peer's slot too (no copy; more
+    ranks copy as 1). ``true``/``false`` read as 1/0. Read by every rank when it connects."""
     raw = os.environ.get("SAMEBITS_TP_PUSH", "").strip()
     if not raw:
-        return default
+        return None
     if raw == "2":
         return 2
     try:
         return int(_bool("SAMEBITS_TP_PUSH", False))
     except ValueError:
         raise ValueError(f"SAMEBITS_TP_PUSH={raw!r}: expected 0, 1 or 2") from None
-
-
-def tp_push_given() -> bool:
-    """Whether SAMEBITS_TP_PUSH is set (not empty): a level asked for, not the default."""
-    return bool(os.environ.get("SAMEBITS_TP_PUSH", "").strip())
 
 
 def keep_torch_multicast_off() -> None:

@@ -224,8 +224,9 @@ def wanted(width: int, world_size: int) -> int:
     has not rendezvoused before (``_RENDEZVOUSED``; else logged).
     Every CUDA rank of several reports it to the agreement (``open_exchange``), whatever it is,
     so ranks whose environments differ still take one path."""
-    level = env.tp_push(2 if world_size == 2 else 0) if width > 0 else 0
-    say = log.warning if env.tp_push_given() else log.info  # asked for, or the default
+    asked, default = env.tp_push(), 2 if world_size == 2 else 0
+    level = (default if asked is None else asked) if width > 0 else 0
+    say = log.info if asked is None else log.warning  # the default, or asked for
     if level and _RENDEZVOUSED.is_set():
         say("tensor parallel: an earlier engine of this process entered torch's symmetric-"
             "memory rendezvous, which cannot be repeated with newly spawned ranks; the "

@@ -88,7 +88,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     checks: dict[str, bool] = {"exchange": group.exchange is not None,
                                "rings": [m.ring for m in layers] == [0, 1],
                                "fused": group.exchange is not None and group.exchange.fused,
-                               "level": env.tp_push(2)}
+                               "level": env.tp_push()}
     for t in TOKENS:
         x = _data(t, seed=t)
         mine = x[:, lo:hi].contiguous()
