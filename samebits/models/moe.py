@@ -86,11 +86,8 @@ class SparseMoeBlock(nn.Module):
     def gathered(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """y [T, k, H] with every slot from the rank holding its expert (in rank order)."""
         every = self.group.all_gather(y.unsqueeze(0))  # [N, T, k, H]
-        owner = (ids // self.local_experts).long()
-        t, k = ids.shape
-        rows = torch.arange(t, device=ids.device)[:, None].expand(t, k)
-        slots = torch.arange(k, device=ids.device)[None, :].expand(t, k)
-        return every[owner, rows, slots]
+        owner = (ids // self.local_experts).long()[None, :, :, None]
+        return torch.take_along_dim(every, owner, dim=0)[0]
 
 
 class MoeDecoderLayer(DecoderLayer):
