@@ -12,7 +12,8 @@ replay, sampling, ...; ``outside`` between parts, or everything without the flag
 
     python benchmarks/tp_profile.py --model benchmarks/configs/qwen3-8b.json --tp 2
 
-``--push [LEVEL]``: every rank runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; the row-parallel
+``--push [LEVEL]``: every rank runs with ``SAMEBITS_TP_PUSH=LEVEL`` (1 when bare; unset, the engine's
+default: 2 at two ranks, else 0; the row-parallel
 sums pushed through symmetric memory, ``samebits.distributed.symmetric``); its barrier kernels and
 peer copies count as communication too: the profiler names a level-1 peer copy "Memcpy DtoD", so
 where the exchange copies (level 1, or 2 above two ranks) every device-to-device copy counts as
@@ -34,6 +35,7 @@ from functools import partial
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from samebits.distributed.symmetric import wanted
 from samebits.tools.timeline import idle_report
 
 WORKLOADS = {"decode-bs1": (1, 128, 64), "decode-bs64": (64, 128, 32), "prefill": (16, 1024, 1),
@@ -169,12 +171,13 @@ def main() -> None:
                         "trace (<workload>_tp<N>.json.gz)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
                    default=["decode-bs1", "decode-bs64", "prefill"])
-    p.add_argument("--push", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+    p.add_argument("--push", type=int, nargs="?", const=1, default=None, choices=(0, 1, 2),
                    help="SAMEBITS_TP_PUSH on every rank, inherited by the spawned ranks "
-                        "(--push: 1)")
+                        "(--push: 1; unset: the engine's default)")
     args = p.parse_args()
-    if args.push:
+    if args.push is not None:
         os.environ["SAMEBITS_TP_PUSH"] = str(args.push)
+    push = wanted(1, args.tp) if args.tp > 1 else 0
     from samebits import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=args.tp,
               max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
@@ -195,8 +198,8 @@ def main() -> None:
             _sync()
             wall = time.perf_counter() - start
         events = _device_events(prof)
-        summary = _summary(events, wall, args.top, comm_names(args.push, args.tp))
-        print(json.dumps({"tp": args.tp, "push": args.push, "workload": name, "requests": n,
+        summary = _summary(events, wall, args.top, comm_names(push, args.tp))
+        print(json.dumps({"tp": args.tp, "push": push, "workload": name, "requests": n,
                           "prompt": prompt, "generated": gen} | summary | _idle(prof, events)),
               flush=True)
         if args.trace:  # torch gzips a path ending in .gz
