@@ -55,9 +55,9 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
               max_num_seqs=64, max_model_len=args.max_model_len, enable_prefix_caching=False,
               max_piecewise_tokens=args.max_piecewise_tokens)
     runner = llm.engine.runner
-    down = runner.model.layers[0].mlp.down_proj
+    o_proj = runner.model.layers[0].self_attn.o_proj  # every decoder's; an MoE layer has no down_proj
     print(json.dumps({"tp": tp, "push": os.environ.get("SAMEBITS_TP_PUSH", ""),
-                      "k_chains": tp * len(down.k_bounds),
+                      "k_chains": tp * len(o_proj.k_bounds),
                       "start_s": round(time.perf_counter() - t0, 1),
                       "weight_gib_per_rank": [round(b / 2**30, 3) for b in runner.weight_bytes()],
                       "kv_blocks": runner.num_blocks,
@@ -73,7 +73,7 @@ def run_size(args: argparse.Namespace, tp: int) -> None:
         params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, params)  # warm-up (no prefix caching: the timed run recomputes)
         seconds, ids = _timed(llm, prompts, params, args.runs)
-        print(json.dumps({"tp": tp, "k_chains": tp * len(down.k_bounds), "workload": name,
+        print(json.dumps({"tp": tp, "k_chains": tp * len(o_proj.k_bounds), "workload": name,
                           "requests": n, "prompt": prompt,
                           "generated": gen, "seconds": round(statistics.median(seconds), 3),
                           "tok_s": round(len(ids) / statistics.median(seconds), 1),
