@@ -9,7 +9,10 @@ that it loaded (or why it failed) before any process group exists, so a rank tha
 an error naming it, never a wait. Then the ranks join the process group and build their runners
 together. A watcher thread follows the ranks' processes: when one dies (killed, or an exception),
 the next call, or the collective rank 0 waits in, raises ``RankFailedError`` naming the rank (gloo
-fails a collective whose peer closed its connection; an NCCL group is aborted). Shutdown
+fails a collective whose peer closed its connection; an NCCL group is aborted). Rank 0 stopping
+inside a call it announced (an exception or an interrupt of its own) breaks the engine the same
+way (``Ranks.guard``): the other ranks are still in that call, and its collectives must never
+pair with the next call's. Shutdown
 (``Ranks.close``; also when the runner is collected, and at exit) never waits on a collective
 teardown, and returns within ``STOP_GRACE_S`` + ``KILL_WAIT_S`` + ``group.RELEASE_TIMEOUT_S`` (25 s;
 well under a second when the ranks exit when told): rank 0 destroys its CUDA graphs (an NCCL
@@ -103,6 +106,7 @@ class Ranks:
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.group: TPGroup | None = None  # rank 0's place in the group (``start_runner``)
         self.failure: str | None = None
+        self.calls = 0  # calls announced: a guarded body that announced one left the others in it
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
         # rank 0's CUDA graphs, released before the group
@@ -184,7 +188,7 @@ class Ranks:
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in self.procs.items()}
         ready = wait(list(sentinels))
-        if self.closing:
+        if self.closing or self.failure is not None:  # shut down, or broken (``_break``)
             return
         self.failure = self._death(sentinels[ready[0]], starting=False)
         self.group.abort()  # returns once the caller's error released the graphs (``guard``)
@@ -211,6 +215,7 @@ class Ranks:
 
     def announce(self, op: str, *args: Any) -> None:
         self.check()
+        self.calls += 1  # counted first: a write cut short may still have reached a rank
         self.group.broadcast_object((op, args))
 
     @contextlib.contextmanager
@@ -219,23 +224,46 @@ class Ranks:
         rank's ``RankFailedError`` once the watcher has named it; the engine cannot run again,
         so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that). A body
         that returns once the watcher has named a dead rank raises it too: after the group's
-        abort its results are garbage (``TPGroup.abort`` ends the push barriers)."""
+        abort its results are garbage (``TPGroup.abort`` ends the push barriers). Any other
+        exception (a KeyboardInterrupt too) after the body announced a call left the other ranks
+        inside it, so their collectives would pair with the next call's: the engine is broken
+        (``_break``), the exception goes on, and every later call raises ``RankFailedError``."""
+        calls = self.calls
         try:
             yield
             self._check_failure()
         except RankFailedError:
             self._release_graphs()
             raise
-        except Exception as e:
+        except BaseException as e:
             if self.closing:  # the engine was shut down: nothing to name
                 raise
-            deadline = time.monotonic() + DEATH_GRACE_S
-            while self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            if isinstance(e, Exception):  # a collective's error: the watcher may name a death
+                self._await_failure()
             if self.failure is not None:
                 self._release_graphs()
                 raise RankFailedError(self.failure) from e
+            if self.calls != calls:
+                self._break(f"rank 0 stopped inside a call the other tensor-parallel ranks "
+                            f"made ({type(e).__name__}: {e}), so they are out of step; this "
+                            f"engine runs no more calls: start a new one")
             raise
+
+    def _await_failure(self) -> None:
+        """Up to ``DEATH_GRACE_S`` for the watcher to name a dead rank."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _break(self, reason: str) -> None:
+        """End an engine whose ranks are out of step: every later call raises ``reason``; the
+        ranks, waiting in collectives rank 0 will never make, are killed; the group aborted."""
+        self.failure = reason
+        log.error("tensor parallel: %s", reason)
+        self._release_graphs()
+        for proc in self.procs.values():
+            proc.kill()
+        self.group.abort()
 
     def close(self) -> None:
         """Stop the ranks and leave the process group (idempotent; see the module docstring).

@@ -67,6 +67,60 @@ def test_killed_rank_raises_naming_it_within_30s(config_path):
         llm.engine.runner.shutdown()
 
 
+def _interrupt_at_gather(group, n: int):
+    """Make rank 0's ``n``-th ``all_gather`` from now raise KeyboardInterrupt (a notebook's
+    interrupt reaches rank 0 alone), after rank 1 entered the call."""
+    gather, count = group.all_gather, iter(range(1, 10**9))
+
+    def flaky(x):
+        if next(count) == n:
+            raise KeyboardInterrupt
+        return gather(x)
+    return flaky
+
+
+def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_the_ranks(
+        config_path, monkeypatch):
+    """Rank 0 interrupted between the collectives of a forward leaves rank 1 inside it: the next
+    call must raise, never pair its collectives with the stale ones (which returned other
+    tokens, silently). Control: an exception before any call is announced leaves the engine
+    serving the same tokens."""
+    llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2,
+              dtype="float32")
+    params, prompt = SamplingParams(max_tokens=4, temperature=0.0), [[7]]
+    try:
+        runner = llm.engine.runner
+        base = llm.generate(prompt, params)[0].outputs[0].token_ids
+        prepare, raised = runner.prepare, []
+
+        def failing_once(batch):
+            if not raised:
+                raised.append(True)
+                raise ValueError("bad input")
+            return prepare(batch)
+        monkeypatch.setattr(runner, "prepare", failing_once)
+        with pytest.raises(ValueError, match="bad input"):
+            llm.generate(prompt, params)
+        _abort_all(llm)
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == base  # control
+        monkeypatch.setattr(runner.group, "all_gather", _interrupt_at_gather(runner.group, 6))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompt, params)
+        _abort_all(llm)
+        with pytest.raises(RankFailedError, match="rank 0 stopped inside a call.*out of step"):
+            llm.generate(prompt, params)
+        with pytest.raises(RankFailedError, match="out of step"):
+            runner.check_health()
+    finally:
+        llm.engine.runner.shutdown()
+
+
+def _abort_all(llm: LLM) -> None:
+    """Drop the requests a raising ``generate`` left in the engine."""
+    for request_id in list(llm.engine.requests):
+        llm.engine.abort(request_id)
+
+
 def _sharded_total() -> int:
     """Elements of the config's matrices (and nothing replicated): embedding + LM head, q/k/v,
     o, gate/up, down."""
