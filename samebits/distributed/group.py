@@ -42,6 +42,7 @@ import datetime
 import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import TextIO
 
@@ -57,6 +58,9 @@ log = logging.getLogger("samebits.engine")
 # a collective waits this long for its peers: long enough for a rank that loads or compiles
 # slower than the others; a dead peer is noticed by the driver's watcher, not by this timeout
 TIMEOUT = datetime.timedelta(minutes=30)
+# how long rank 0, which connects only once every rank has loaded (each then connects at once),
+# waits in the rendezvous for the others: a rank that died there is named, not waited for
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=20)
 RELEASE_TIMEOUT_S = 10.0  # how long ``leave`` waits for this process's group to be released
 
 
@@ -96,7 +100,7 @@ class TPGroup:
         cuda = self.device.type == "cuda"
         if cuda:  # NCCL's objects and buffers live on the current device
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
+        dist.init_process_group("nccl" if cuda else "gloo", store=self._store(init_method),
                                 rank=self.rank, world_size=self.world_size, timeout=TIMEOUT)
         self.connected = True  # from here on, rank 0 leaves with ``leave``
         self.trace = _open_trace(self.rank)
@@ -107,6 +111,15 @@ class TPGroup:
                                f"ranks gathered {ranks}")
         if push:
             self.exchange = open_exchange(self, self.push_width, push_rows(max_batched_tokens))
+
+    def _store(self, init_method: str) -> dist.TCPStore:
+        """The rendezvous store at ``init_method`` (``tcp://host:port``), hosted by rank 0; its
+        waits time out after ``RENDEZVOUS_TIMEOUT`` on rank 0 (the driver, which connects last)
+        and ``TIMEOUT`` on the others (which may wait for rank 0 to load)."""
+        url = urllib.parse.urlparse(init_method)
+        driver = self.rank == 0
+        return dist.TCPStore(url.hostname, url.port, self.world_size, is_master=driver,
+                             timeout=RENDEZVOUS_TIMEOUT if driver else TIMEOUT)
 
     def reserve_push(self, width: int) -> int:
         """A row-parallel layer's ring for its pushes, rings alternating in the order layers are

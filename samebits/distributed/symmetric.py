@@ -78,9 +78,9 @@ every barrier of the exchange returns within a few spins, and the stream runs on
 collectives, which NCCL's abort ends. Invariant: the word is set only to abandon the group;
 what a forward computes after it is garbage, and the engine's guard reports the dead rank
 instead of a result (``samebits.engine.executor.Ranks.guard``). A new connect opens a new
-exchange, with new flags and a word that is clear. The barrier has no timeout of its own: a
-peer that dies while nothing watches the ranks (the probe at connect) leaves it waiting until
-this process is killed.
+exchange, with new flags and a word that is clear. The barrier has no timeout of its own: the
+driver watches the ranks from before it connects, and the group holds the exchange from its
+probe on, so a peer that dies during the probe sets the word too.
 """
 
 from __future__ import annotations
@@ -253,6 +253,7 @@ class Group(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    exchange: PushExchange | None  # set once probing: the group's abort ends its barriers
 
     def min_int(self, value: int) -> int: ...
 
@@ -289,6 +290,7 @@ def open_exchange(group: Group, width: int, max_rows: int = PUSH_MAX_ROWS
     exchange = _rendezvous(local, flags, group.rank, group.world_size, width, level, max_rows)
     if group.min_int(int(exchange is not None)) == 0:
         return None
+    group.exchange = exchange  # what ``abort`` ends, from the probe's barriers on
     verdict = group.min_int(_probed(exchange))
     if verdict == PROBE_RAISED:
         return None

@@ -82,10 +82,11 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         ranks.wait_ready()
         log.info("tensor parallel: %d ranks loaded their shards in %.1f s", ranks.world,
                  time.perf_counter() - start)
-        group.connect(ranks.init_method, config.max_num_batched_tokens, config.batch_invariant)
-        ranks.watch()
-        log.info("tensor parallel: process group connected (%s)", group.backend)
+        ranks.watch()  # from here a rank's death is named, connecting included
         with ranks.guard():
+            group.connect(ranks.init_method, config.max_num_batched_tokens,
+                          config.batch_invariant)
+            log.info("tensor parallel: process group connected (%s)", group.backend)
             runner = ModelRunner(loaded, config, peers=ranks)
         ranks.serving = True  # every rank built its runner and waits for rank 0's calls
     except BaseException:
@@ -187,7 +188,10 @@ class Ranks:
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in self.procs.items()}
-        ready = wait(list(sentinels))
+        try:
+            ready = wait(list(sentinels))
+        except (OSError, ValueError):  # ``close`` closed the handles first
+            return
         if self.closing or self.failure is not None:  # shut down, or broken (``_break``)
             return
         self.failure = self._death(sentinels[ready[0]], starting=False)
@@ -282,8 +286,19 @@ class Ranks:
         if not clean and told:
             log.warning("tensor parallel: a rank did not exit when told to stop; it was killed")
         self.queue.close()
+        self._close_handles()
         if group is not None:
             group.leave(synchronize=clean)
+
+    def _close_handles(self) -> None:
+        """The pipes and the exited processes' handles, and the exit hook (which kept this
+        object, and so them, alive until exit)."""
+        for pipe in self.pipes.values():
+            pipe.close()
+        for proc in self.procs.values():
+            if not proc.is_alive():
+                proc.close()
+        atexit.unregister(self.close)
 
     def _reap(self, deadline: float) -> bool:
         """Wait until ``deadline`` (``time.monotonic``) for the ranks to exit, then kill those

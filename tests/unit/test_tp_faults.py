@@ -11,7 +11,9 @@ holds about half of the sharded weights.
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,10 +31,14 @@ ROOT = Path(__file__).parents[2]
 FAILING_START = '''
 import sys, time
 import samebits.engine.worker as worker
+from samebits.distributed.group import TPGroup
 if __name__ == "__mp_main__":  # the spawned rank imports this script under this name
     def broken(*args, **kwargs):
-        raise RuntimeError("shard file unreadable")
-    worker.load = broken
+        raise RuntimeError("{error}")
+    if "{where}" == "load":
+        worker.load = broken
+    else:
+        TPGroup.connect = broken
 if __name__ == "__main__":
     from samebits import LLM
     start = time.monotonic()
@@ -115,6 +121,19 @@ def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_
         llm.engine.runner.shutdown()
 
 
+def test_engines_started_and_shut_down_in_turn_leave_no_handles_behind(config_path):
+    """Each TP 2 engine's pipe and process handles are closed at shutdown (they stayed open
+    until the process exited: 3 more descriptors per engine)."""
+    open_fds = []
+    for _ in range(3):
+        llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2)
+        llm.engine.runner.shutdown()
+        del llm
+        gc.collect()
+        open_fds.append(len(os.listdir("/proc/self/fd")))
+    assert open_fds[2] == open_fds[1], open_fds  # the first engine's may start shared pools
+
+
 def _abort_all(llm: LLM) -> None:
     """Drop the requests a raising ``generate`` left in the engine."""
     for request_id in list(llm.engine.requests):
@@ -128,14 +147,32 @@ def _sharded_total() -> int:
     return 2 * v * h + (4 + 2 + 2) * d * h + 4 * d * h + 2 * i * h + i * h
 
 
-def test_rank_failing_at_start_raises_naming_it_within_30s(config_path, tmp_path):
-    script = tmp_path / "failing_start.py"
-    script.write_text(FAILING_START)
+def _failing_start(config_path: str, tmp_path: Path, where: str, error: str) -> list[str]:
+    """Start a TP 2 engine whose rank 1 raises ``error`` in ``where`` (its load, or joining
+    the process group): [the error's type, its message, seconds until it was raised]."""
+    script = tmp_path / f"failing_{where}.py"
+    script.write_text(FAILING_START.replace("{where}", where).replace("{error}", error))
     out = subprocess.run([sys.executable, str(script), config_path], capture_output=True,
                          text=True, timeout=120, cwd=ROOT, env=_env())
-    kind, message, seconds = out.stdout.strip().split(" | ")
+    return out.stdout.strip().split(" | ")
+
+
+def test_rank_failing_at_start_raises_naming_it_within_30s(config_path, tmp_path):
+    kind, message, seconds = _failing_start(config_path, tmp_path, "load",
+                                            "shard file unreadable")
     assert kind == "RankFailedError"
     assert message == "tensor-parallel rank 1 failed to start: RuntimeError: shard file unreadable"
+    assert float(seconds) < 30
+
+
+def test_rank_failing_to_join_the_group_raises_naming_it_within_30s(config_path, tmp_path):
+    """Rank 0 waits in the rendezvous for a rank that died there: named, not waited for (the
+    collectives' 30 minutes)."""
+    kind, message, seconds = _failing_start(config_path, tmp_path, "connect",
+                                            "no route to the other ranks")
+    assert kind == "RankFailedError"
+    assert re.fullmatch(r"tensor-parallel rank 1 \(pid \d+\) exited with code 1: "
+                        r"RuntimeError: no route to the other ranks", message), message
     assert float(seconds) < 30
 
 

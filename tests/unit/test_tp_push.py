@@ -398,7 +398,7 @@ def test_a_guarded_call_that_returns_after_a_rank_was_named_dead_raises_it():
     graphs; one that returns with no rank named returns."""
     from samebits.engine.executor import RankFailedError, Ranks
     ranks = object.__new__(Ranks)  # no processes: only what ``guard`` reads
-    ranks.failure, ranks.closing, released = None, False, []
+    ranks.failure, ranks.closing, ranks.calls, released = None, False, 0, []
     ranks._release_graphs = lambda: released.append(True)
     with ranks.guard():
         pass
