@@ -69,6 +69,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
     if loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; do not pass "
                          "a loaded model")
+    check_devices(config)
     check_main_guard()
     check_free()  # before any rank is spawned
     ranks = Ranks(config)
@@ -314,6 +315,19 @@ class Ranks:
         for proc in killed:
             proc.join(max(0.0, gone - time.monotonic()))
         return clean
+
+
+def check_devices(config: EngineConfig) -> None:
+    """Raise, naming them, where the CUDA devices the ranks take (``rank_device``) are not all
+    on this machine."""
+    if config.torch_device.type != "cuda":
+        return
+    first, last = (rank_device(config, r).index for r in (0, config.tensor_parallel_size - 1))
+    count = torch.cuda.device_count()
+    if last >= count:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} with "
+                         f"device={config.device!r} runs its ranks on cuda:{first}..cuda:{last}, "
+                         f"but this machine has {count} CUDA device(s)")
 
 
 def _free_port() -> int:

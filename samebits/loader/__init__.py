@@ -54,11 +54,11 @@ def resolve_model_dir(spec: str | None) -> Path:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """The device of tensor-parallel rank ``rank``: ``cuda:rank`` under CUDA tensor parallel,
-    else the configured device."""
+    """The device of tensor-parallel rank ``rank``: under CUDA tensor parallel ``cuda:K+rank``
+    for a configured ``cuda:K`` (``cuda``: K = 0), else the configured device."""
     device = config.torch_device
     if device.type == "cuda" and config.tensor_parallel_size > 1:
-        return torch.device("cuda", rank)
+        return torch.device("cuda", (device.index or 0) + rank)
     return device
 
 

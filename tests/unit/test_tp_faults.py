@@ -22,9 +22,12 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from samebits import LLM, SamplingParams
-from samebits.engine.executor import RankFailedError, check_main_guard
+from samebits.config import EngineConfig
+from samebits.engine.executor import RankFailedError, check_devices, check_main_guard, start_runner
+from samebits.loader import rank_device
 from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
 
 ROOT = Path(__file__).parents[2]
@@ -132,6 +135,17 @@ def test_engines_started_and_shut_down_in_turn_leave_no_handles_behind(config_pa
         gc.collect()
         open_fds.append(len(os.listdir("/proc/self/fd")))
     assert open_fds[2] == open_fds[1], open_fds  # the first engine's may start shared pools
+
+
+def test_ranks_take_consecutive_gpus_from_the_configured_one_and_missing_ones_are_named(
+        monkeypatch):
+    config = EngineConfig("unused", device="cuda:2", tensor_parallel_size=2)
+    assert [rank_device(config, r) for r in (0, 1)] == [torch.device("cuda", 2),
+                                                        torch.device("cuda", 3)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ValueError, match=r"cuda:2\.\.cuda:3, but this machine has 3 CUDA"):
+        start_runner(config)
+    check_devices(EngineConfig("unused", device="cuda:1", tensor_parallel_size=2))  # fits
 
 
 def _abort_all(llm: LLM) -> None:
