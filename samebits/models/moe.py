@@ -139,11 +139,18 @@ class MoeForCausalLM(LlamaForCausalLM):
         in-memory ``mlp`` (also what ``save_original_format=False`` writes)."""
         return name.replace(".mlp.", ".block_sparse_moe.") if self._mixtral else name
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Per-expert HF tensors (as transformers saves them), or transformers' stacked
+    def hf_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) pairs in this model's per-expert HF names: transformers' stacked
         in-memory form (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I],
-        ``save_original_format=False``) split into them."""
-        load_weights(self, _unstacked(weights, self._mixtral))
+        ``save_original_format=False``, a v5 model's ``named_parameters``) split per expert,
+        Mixtral's ``mlp`` spelled ``block_sparse_moe``; per-expert tensors as they are."""
+        for name, t in _unstacked(weights, self._mixtral):
+            yield self.hf_rename(name), t
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Per-expert HF tensors (as transformers saves them), or the stacked form
+        (``hf_weights``)."""
+        load_weights(self, self.hf_weights(weights))
 
 
 _EXPERT_NAMES = {False: ("gate_proj", "up_proj", "down_proj"), True: ("w1", "w3", "w2")}

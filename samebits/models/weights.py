@@ -165,14 +165,20 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                    ) -> list[tuple[str, torch.Tensor]]:
     """Validate every tensor first, then copy all in place (all or nothing); the checked list.
 
-    Raises ``ValueError`` naming the first bad parameter; the model is then unchanged.
+    Raises ``ValueError`` naming the first bad parameter; the model is then unchanged. A model
+    with ``hf_weights`` (a mixture of experts) takes the names loading takes: the checked list is
+    in its own per-expert names.
     """
     wmap = WeightMap(model)
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-    seen: set[str] = set()
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"update_weights: {name!r} is not a tensor")
+    spelled = getattr(model, "hf_weights", None)
+    if spelled is not None:
+        items = list(spelled(items))
+    seen: set[str] = set()
+    for name, tensor in items:
         problem = wmap.check(name, tensor)
         if problem is None and name in seen:
             problem = f"{name!r} is given twice"

@@ -175,3 +175,21 @@ def test_gathered_expert_outputs_combined_equal_one_device_and_rank_sums_do_not(
     partial_sums = [moe.combine_experts(INV, h * (owner == r), weights, None, None)
                     for r, h in enumerate(halves)]
     assert not torch.equal(partial_sums[0] + partial_sums[1], one)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_update_weights_takes_a_transformers_models_own_named_parameters(arch, tmp_path):
+    """A trainer's transformers model names its experts stacked (``mlp.experts.gate_up_proj``
+    [E, 2I, H]) and Mixtral's block ``mlp``: ``update_weights`` takes those names, as loading
+    does, and the engine then computes what one loaded from that model's checkpoint computes."""
+    from tests.moe_models import write_tiny_moe
+    write_tiny_moe(arch, tmp_path / "a", seed=0)
+    trained = write_tiny_moe(arch, tmp_path / "b", seed=1)
+    names = [name for name, _ in trained.named_parameters()]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names  # the stacked in-memory form
+    ids = list(range(1, 40))
+    llm = LLM(str(tmp_path / "a"), dtype="float32", num_kv_blocks=16)
+    fresh = LLM(str(tmp_path / "b"), dtype="float32", num_kv_blocks=16)
+    assert not torch.equal(llm.engine.prompt_logits(ids), fresh.engine.prompt_logits(ids))
+    llm.update_weights([(n, p.detach()) for n, p in trained.named_parameters()])
+    assert torch.equal(llm.engine.prompt_logits(ids), fresh.engine.prompt_logits(ids))
