@@ -189,10 +189,7 @@ class Ranks:
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in self.procs.items()}
-        try:
-            ready = wait(list(sentinels))
-        except (OSError, ValueError):  # ``close`` closed the handles first
-            return
+        ready = wait(list(sentinels))
         if self.closing or self.failure is not None:  # shut down, or broken (``_break``)
             return
         self.failure = self._death(sentinels[ready[0]], starting=False)
@@ -292,13 +289,10 @@ class Ranks:
             group.leave(synchronize=clean)
 
     def _close_handles(self) -> None:
-        """The pipes and the exited processes' handles, and the exit hook (which kept this
-        object, and so them, alive until exit)."""
+        """The pipes, and the exit hook, which kept this object alive until exit (the process
+        handles, whose exit codes stay readable, close when it is collected)."""
         for pipe in self.pipes.values():
             pipe.close()
-        for proc in self.procs.values():
-            if not proc.is_alive():
-                proc.close()
         atexit.unregister(self.close)
 
     def _reap(self, deadline: float) -> bool:

@@ -30,7 +30,7 @@ from samebits.engine.sequence import Sequence
 from samebits.engine.step import AheadStep, ForwardInputs, Peers, ScoredSpan, StepInputs, StepResult
 from samebits.engine.transfer import to_device
 from samebits.loader import LoadedModel
-from samebits.models.weights import WeightMap, update_weights
+from samebits.models.weights import WeightMap
 from samebits.ops.backend import AttentionMetadata
 from samebits.sampling_params import SamplingParams
 
@@ -175,7 +175,7 @@ class ModelRunner:
     def follow(self, op: str, args: tuple) -> None:
         """Ranks 1..N-1: make the call rank 0 announced, on this rank's shard."""
         calls = {"forward": self._forward, "replay": self._follow_replay, "logits": self._logits,
-                 "logits_of": self.compute_logits, "update": self.weights_updated,
+                 "logits_of": self.compute_logits, "update": self._follow_update,
                  "gather": self.named_weights, "weight_bytes": self.weight_bytes,
                  "memory_allocated": self.memory_allocated}
         with torch.inference_mode():
@@ -242,17 +242,27 @@ class ModelRunner:
 
     def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """After ``update_weights`` on rank 0's model (checked there, all or nothing): every other
-        rank loads its part of the same items; each backend drops what it derived from the old
-        weights."""
-        if self.peers is not None:
-            with self._guard():
-                self._announce("update", [(name, t.detach().cpu()) for name, t in items])
+        rank loads its part of the same items, which rank 0 broadcasts on the device one tensor
+        at a time (the announcement carries names, shapes and dtypes only)."""
+        if self.peers is None:
             return
-        if self.group.rank > 0:
-            update_weights(self.model, items)
-            hook = getattr(self.model.ops, "weights_updated", None)
-            if hook is not None:
-                hook(self.model)
+        with self._guard():
+            self._announce("update", [(name, tuple(t.shape), t.dtype) for name, t in items])
+            for _, t in items:
+                self.group.broadcast_tensor(t.detach().to(self.device).contiguous())
+
+    def _follow_update(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Ranks 1..N-1: each (name, shape, dtype) rank 0 announced, received whole and written
+        into this rank's part as it arrives; then the backend drops what it derived from the old
+        weights."""
+        wmap = WeightMap(self.model)
+        with torch.no_grad():
+            for name, shape, dtype in specs:
+                whole = torch.empty(shape, dtype=dtype, device=self.device)
+                wmap.write(name, self.group.broadcast_tensor(whole))
+        hook = getattr(self.model.ops, "weights_updated", None)
+        if hook is not None:
+            hook(self.model)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every weight, unfused: views of the one device's weights, or,
