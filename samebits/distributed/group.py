@@ -86,21 +86,24 @@ class TPGroup:
         self.last_ring: int | None = None
 
     def connect(self, init_method: str, max_batched_tokens: int | None = None,
-                push: bool = True) -> None:
+                push: bool = True, listener: int | None = None) -> None:
         """Join the process group (every rank calls this with the same ``init_method``), then
         check it: a gather on the device and a reduction over the control group, so both
         backends have connected here (NCCL's communicator too, before any forward or graph
         capture) and a wrong device or a broken transport fails now, not in a step. The push
         exchange, where opened, holds the rows of ``max_batched_tokens`` (the engine's
         ``max_num_batched_tokens``) up to ``PUSH_MAX_ROWS``; ``push`` False (the standard mode,
-        whose layers all-reduce): none is opened (every rank is given the same value)."""
+        whose layers all-reduce): none is opened (every rank is given the same value).
+        ``listener``: rank 0's socket listening at ``init_method`` since before the other ranks
+        started (``_store``)."""
         if self.world_size == 1 or self.connected:
             return
         check_free()
         cuda = self.device.type == "cuda"
         if cuda:  # NCCL's objects and buffers live on the current device
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cuda else "gloo", store=self._store(init_method),
+        store = self._store(init_method, listener)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store,
                                 rank=self.rank, world_size=self.world_size, timeout=TIMEOUT)
         self.connected = True  # from here on, rank 0 leaves with ``leave``
         self.trace = _open_trace(self.rank)
@@ -111,15 +114,20 @@ class TPGroup:
                                f"ranks gathered {ranks}")
         if push:
             self.exchange = open_exchange(self, self.push_width, push_rows(max_batched_tokens))
+        store.set_timeout(TIMEOUT)  # formed: later store waits are the collectives' own
 
-    def _store(self, init_method: str) -> dist.TCPStore:
-        """The rendezvous store at ``init_method`` (``tcp://host:port``), hosted by rank 0; its
-        waits time out after ``RENDEZVOUS_TIMEOUT`` on rank 0 (the driver, which connects last)
-        and ``TIMEOUT`` on the others (which may wait for rank 0 to load)."""
+    def _store(self, init_method: str, listener: int | None) -> dist.TCPStore:
+        """The rendezvous store at ``init_method`` (``tcp://host:port``), hosted by rank 0 on
+        ``listener`` where given: the others connect as soon as they loaded, into that socket's
+        backlog, so none is asleep in a connect back-off when rank 0 (which connects last, once
+        every rank loaded) opens the store. Until the group is formed its waits time out after
+        ``RENDEZVOUS_TIMEOUT`` on rank 0 and ``TIMEOUT`` on the others (which may wait for rank 0
+        to load)."""
         url = urllib.parse.urlparse(init_method)
         driver = self.rank == 0
         return dist.TCPStore(url.hostname, url.port, self.world_size, is_master=driver,
-                             timeout=RENDEZVOUS_TIMEOUT if driver else TIMEOUT)
+                             timeout=RENDEZVOUS_TIMEOUT if driver else TIMEOUT,
+                             master_listen_fd=listener if driver else None)
 
     def reserve_push(self, width: int) -> int:
         """A row-parallel layer's ring for its pushes, rings alternating in the order layers are

@@ -86,7 +86,7 @@ def start_runner(config: EngineConfig, loaded: LoadedModel | None = None) -> Mod
         ranks.watch()  # from here a rank's death is named, connecting included
         with ranks.guard():
             group.connect(ranks.init_method, config.max_num_batched_tokens,
-                          config.batch_invariant)
+                          config.batch_invariant, ranks.listener.detach())
             log.info("tensor parallel: process group connected (%s)", group.backend)
             runner = ModelRunner(loaded, config, peers=ranks)
         ranks.serving = True  # every rank built its runner and waits for rank 0's calls
@@ -105,10 +105,13 @@ class Ranks:
 
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # rank 0's rendezvous socket, listening before any rank starts (``TPGroup._store``)
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=2 * self.world + 8)
+        self.init_method = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.watcher: threading.Thread | None = None
         self.group: TPGroup | None = None  # rank 0's place in the group (``start_runner``)
         self.failure: str | None = None
-        self.calls = 0  # calls announced: a guarded body that announced one left the others in it
+        self.open_calls = 0  # announced calls rank 0 has not issued every collective of yet
         self.serving = False  # every rank's runner is built; the ranks wait for calls
         self.closing = False
         # rank 0's CUDA graphs, released before the group
@@ -130,6 +133,7 @@ class Ranks:
                 proc.start()
         except BaseException:
             self.queue.close()
+            self.listener.close()
             raise
         log.info("tensor parallel: spawned ranks 1..%d (pids %s)", self.world - 1,
                  ", ".join(str(p.pid) for p in self.procs.values()))
@@ -185,7 +189,9 @@ class Ranks:
     def watch(self) -> None:
         """Follow the ranks' processes from a thread: the first to die unasked is recorded and
         the group aborted, so rank 0 never waits for it."""
-        threading.Thread(target=self._watch, name="samebits-tp-watcher", daemon=True).start()
+        self.watcher = threading.Thread(target=self._watch, name="samebits-tp-watcher",
+                                        daemon=True)
+        self.watcher.start()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in self.procs.items()}
@@ -217,8 +223,17 @@ class Ranks:
 
     def announce(self, op: str, *args: Any) -> None:
         self.check()
-        self.calls += 1  # counted first: a write cut short may still have reached a rank
         self.group.broadcast_object((op, args))
+
+    @contextlib.contextmanager
+    def call(self, op: str, *args: Any) -> Iterator[None]:
+        """Announce ``op``, then run rank 0's part of it: the call is open -- the other ranks
+        are inside it -- until the body returns, having issued the call's last collective. A
+        body that raises leaves it open, which breaks the engine (``guard``)."""
+        self.open_calls += 1  # first: a write cut short may still have reached a rank
+        self.announce(op, *args)
+        yield
+        self.open_calls -= 1
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -227,10 +242,11 @@ class Ranks:
         so rank 0's graphs are destroyed then (the watcher's NCCL abort waits for that). A body
         that returns once the watcher has named a dead rank raises it too: after the group's
         abort its results are garbage (``TPGroup.abort`` ends the push barriers). Any other
-        exception (a KeyboardInterrupt too) after the body announced a call left the other ranks
-        inside it, so their collectives would pair with the next call's: the engine is broken
-        (``_break``), the exception goes on, and every later call raises ``RankFailedError``."""
-        calls = self.calls
+        exception (a KeyboardInterrupt too) inside an open call (``call``) left the other ranks
+        in it, so their collectives would pair with the next call's: the engine is broken
+        (``_break``, decided even if a second interrupt cuts the wait for a death short), the
+        exception goes on, and every later call raises ``RankFailedError``. One raised after
+        its calls closed (rank 0 waiting for a step's tokens) leaves the engine serving."""
         try:
             yield
             self._check_failure()
@@ -240,15 +256,18 @@ class Ranks:
         except BaseException as e:
             if self.closing:  # the engine was shut down: nothing to name
                 raise
-            if isinstance(e, Exception):  # a collective's error: the watcher may name a death
-                self._await_failure()
-            if self.failure is not None:
+            try:
+                if isinstance(e, Exception):  # a collective's error: the watcher may name a death
+                    self._await_failure()
+            finally:
+                dead = self.failure is not None
+                if not dead and self.open_calls:
+                    self._break(f"rank 0 stopped inside a call the other tensor-parallel ranks "
+                                f"made ({type(e).__name__}: {e}), so they are out of step; this "
+                                f"engine runs no more calls: start a new one")
+            if dead:
                 self._release_graphs()
                 raise RankFailedError(self.failure) from e
-            if self.calls != calls:
-                self._break(f"rank 0 stopped inside a call the other tensor-parallel ranks "
-                            f"made ({type(e).__name__}: {e}), so they are out of step; this "
-                            f"engine runs no more calls: start a new one")
             raise
 
     def _await_failure(self) -> None:
@@ -293,6 +312,9 @@ class Ranks:
         handles, whose exit codes stay readable, close when it is collected)."""
         for pipe in self.pipes.values():
             pipe.close()
+        self.listener.close()  # unless rank 0's store took it
+        if self.watcher not in (None, threading.current_thread()):  # woken by the ranks' exit
+            self.watcher.join(KILL_WAIT_S)
         atexit.unregister(self.close)
 
     def _reap(self, deadline: float) -> bool:
@@ -322,12 +344,6 @@ def check_devices(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} with "
                          f"device={config.device!r} runs its ranks on cuda:{first}..cuda:{last}, "
                          f"but this machine has {count} CUDA device(s)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_main_guard() -> None:

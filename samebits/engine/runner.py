@@ -168,9 +168,10 @@ class ModelRunner:
         """A failed rank's error, named, instead of a collective's (``Peers.guard``)."""
         return self.peers.guard() if self.peers is not None else contextlib.nullcontext()
 
-    def _announce(self, op: str, *args: Any) -> None:
-        if self.peers is not None:
-            self.peers.announce(op, *args)
+    def _call(self, op: str, *args: Any) -> contextlib.AbstractContextManager[None]:
+        """Rank 0: announce ``op`` to the other ranks around its own part (``Peers.call``); the
+        other ranks (and one rank alone) just run it."""
+        return self.peers.call(op, *args) if self.peers is not None else contextlib.nullcontext()
 
     def follow(self, op: str, args: tuple) -> None:
         """Ranks 1..N-1: make the call rank 0 announced, on this rank's shard."""
@@ -184,7 +185,13 @@ class ModelRunner:
     def _forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """The forward of ``inputs`` (piecewise graphs where they cover it, else eager): hidden
         states [T, H], kept as slot "main" (valid until the next forward)."""
-        self._announce("forward", inputs)
+        with self._call("forward", inputs):
+            hidden = self._forward_here(inputs)
+        self.hidden["main"] = hidden
+        return hidden
+
+    def _forward_here(self, inputs: ForwardInputs) -> torch.Tensor:
+        """This rank's part of ``_forward``."""
         dev = self.device
         piecewise = self._piecewise_serves(inputs)
         # the chains stage the step's slots with its ids and positions (``PiecewiseGraphs.run``)
@@ -202,7 +209,6 @@ class ModelRunner:
         else:
             hidden = self.model(torch.tensor(inputs.input_ids, device=dev),
                                 torch.tensor(inputs.positions, device=dev), self.kv_caches, meta)
-        self.hidden["main"] = hidden
         return hidden
 
     def _piecewise_serves(self, inputs: ForwardInputs) -> bool:
@@ -212,10 +218,10 @@ class ModelRunner:
                 ) -> torch.Tensor:
         """``decode`` through the CUDA graphs (input ids from the device tensor ``tokens`` when
         given: rank 0's sampled tokens, sent to every rank), kept as ``slot``."""
-        self._announce("replay", decode, slot, tokens is not None)
-        if tokens is not None and self.group.world_size > 1:
-            tokens = self.group.broadcast_tensor(tokens.to(torch.int64).contiguous())
-        hidden = self.hidden[slot] = self.graphs.run(decode, tokens)
+        with self._call("replay", decode, slot, tokens is not None):
+            if tokens is not None and self.group.world_size > 1:
+                tokens = self.group.broadcast_tensor(tokens.to(torch.int64).contiguous())
+            hidden = self.hidden[slot] = self.graphs.run(decode, tokens)
         return hidden
 
     def _follow_replay(self, decode: DecodeBatch, slot: str, from_tokens: bool) -> None:
@@ -226,18 +232,17 @@ class ModelRunner:
 
     def _logits(self, slot: str, rows: list[int] | None) -> torch.Tensor:
         """fp32 logits [len(rows), V] of rows ``rows`` (None: all) of slot ``slot``'s hidden."""
-        self._announce("logits", slot, rows)
-        hidden = self.hidden[slot]
-        if rows is not None:
-            hidden = hidden[to_device(rows, torch.int64, self.device)]
-        return self.model.compute_logits(hidden)
+        with self._call("logits", slot, rows):
+            hidden = self.hidden[slot]
+            if rows is not None:
+                hidden = hidden[to_device(rows, torch.int64, self.device)]
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, V] of any hidden states [M, H] (sent whole to the other ranks: for
         warm-up and reference checks, not steps)."""
-        with self._guard():
-            self._announce("logits_of", hidden.cpu())
+        with self._guard(), self._call("logits_of", hidden.cpu()):
             return self.model.compute_logits(hidden.to(self.device))
 
     def weights_updated(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -246,8 +251,8 @@ class ModelRunner:
         at a time (the announcement carries names, shapes and dtypes only)."""
         if self.peers is None:
             return
-        with self._guard():
-            self._announce("update", [(name, tuple(t.shape), t.dtype) for name, t in items])
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in items]
+        with self._guard(), self._call("update", specs):
             for _, t in items:
                 self.group.broadcast_tensor(t.detach().to(self.device).contiguous())
 
@@ -270,22 +275,19 @@ class ModelRunner:
         wmap = WeightMap(self.model)
         if self.group.world_size == 1:
             return wmap.named_weights()
-        with self._guard():
-            self._announce("gather")
+        with self._guard(), self._call("gather"):
             return iter([(name, wmap.gather(name, self.group)) for name in wmap.slots])
 
     def weight_bytes(self) -> list[int]:
         """Bytes of the model's parameters on each rank, in rank order."""
-        with self._guard():
-            self._announce("weight_bytes")
+        with self._guard(), self._call("weight_bytes"):
             mine = sum(p.numel() * p.element_size() for p in self.model.parameters())
             every = self.group.all_gather(torch.tensor([mine], device=self.device))
             return [int(b) for b in every.tolist()]
 
     def memory_allocated(self) -> list[int]:
         """``torch.cuda.memory_allocated`` of each rank's device (0 on the CPU), in rank order."""
-        with self._guard():
-            self._announce("memory_allocated")
+        with self._guard(), self._call("memory_allocated"):
             mine = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             every = self.group.all_gather(torch.tensor([mine], device=self.device))
             return [int(b) for b in every.tolist()]

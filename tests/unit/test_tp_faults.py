@@ -26,6 +26,7 @@ import torch
 
 from samebits import LLM, SamplingParams
 from samebits.config import EngineConfig
+from samebits.engine import sampler
 from samebits.engine.executor import RankFailedError, check_devices, check_main_guard, start_runner
 from samebits.loader import rank_device
 from tests.tiny_models import MICRO_LLAMA_CONFIG, write_config
@@ -43,7 +44,10 @@ if __name__ == "__mp_main__":  # the spawned rank imports this script under this
     else:
         TPGroup.connect = broken
 if __name__ == "__main__":
+    import datetime
     from samebits import LLM
+    from samebits.distributed import group
+    group.RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=5)  # what rank 0 waits for a joiner
     start = time.monotonic()
     try:
         LLM(sys.argv[1], load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2)
@@ -88,12 +92,24 @@ def _interrupt_at_gather(group, n: int):
     return flaky
 
 
+def _interrupting_once(fn):
+    """``fn`` whose first call raises KeyboardInterrupt."""
+    calls = iter(range(10**9))
+
+    def wrapped(*args, **kwargs):
+        if next(calls) == 0:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+    return wrapped
+
+
 def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_the_ranks(
         config_path, monkeypatch):
     """Rank 0 interrupted between the collectives of a forward leaves rank 1 inside it: the next
     call must raise, never pair its collectives with the stale ones (which returned other
-    tokens, silently). Control: an exception before any call is announced leaves the engine
-    serving the same tokens."""
+    tokens, silently). Controls: an exception before any call is announced, and an interrupt
+    after the step's calls closed (where rank 0 waits for its tokens), leave the engine serving
+    the same tokens."""
     llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2,
               dtype="float32")
     params, prompt = SamplingParams(max_tokens=4, temperature=0.0), [[7]]
@@ -109,6 +125,11 @@ def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_
             return prepare(batch)
         monkeypatch.setattr(runner, "prepare", failing_once)
         with pytest.raises(ValueError, match="bad input"):
+            llm.generate(prompt, params)
+        _abort_all(llm)
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == base  # control
+        monkeypatch.setattr(sampler, "start_sample", _interrupting_once(sampler.start_sample))
+        with pytest.raises(KeyboardInterrupt):
             llm.generate(prompt, params)
         _abort_all(llm)
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == base  # control
@@ -180,8 +201,8 @@ def test_rank_failing_at_start_raises_naming_it_within_30s(config_path, tmp_path
 
 
 def test_rank_failing_to_join_the_group_raises_naming_it_within_30s(config_path, tmp_path):
-    """Rank 0 waits in the rendezvous for a rank that died there: named, not waited for (the
-    collectives' 30 minutes)."""
+    """Rank 0 waits in the rendezvous for a rank that died there: named once the rendezvous
+    wait (5 s here, ``RENDEZVOUS_TIMEOUT``) ends, not after the collectives' 30 minutes."""
     kind, message, seconds = _failing_start(config_path, tmp_path, "connect",
                                             "no route to the other ranks")
     assert kind == "RankFailedError"
