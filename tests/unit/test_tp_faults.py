@@ -111,7 +111,7 @@ def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_
     after the step's calls closed (where rank 0 waits for its tokens), leave the engine serving
     the same tokens."""
     llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2,
-              dtype="float32")
+              dtype="float32", device="cpu")  # the gloo path, whose gathers are counted
     params, prompt = SamplingParams(max_tokens=4, temperature=0.0), [[7]]
     try:
         runner = llm.engine.runner
@@ -150,7 +150,8 @@ def test_engines_started_and_shut_down_in_turn_leave_no_handles_behind(config_pa
     until the process exited: 3 more descriptors per engine)."""
     open_fds = []
     for _ in range(3):
-        llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2)
+        llm = LLM(config_path, load_format="dummy", num_kv_blocks=8, tensor_parallel_size=2,
+                  device="cpu")
         llm.engine.runner.shutdown()
         del llm
         gc.collect()
