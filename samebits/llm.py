@@ -116,7 +116,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         groups = self._submit([ids for _, ids in encoded], params, score_only=False)
-        self._drain(sum(len(seqs) for _, seqs in groups), use_tqdm)
+        self._drain([s for _, seqs in groups for s in seqs], use_tqdm)
         return [self._output(request_id, seqs, text)
                 for (request_id, seqs), (text, _) in zip(groups, encoded, strict=True)]
 
@@ -155,7 +155,7 @@ class LLM:
                             "llm.get_tokenizer().encode(text) first.")
         ids = [list(t) for t in token_id_lists]
         groups = self._submit(ids, [SamplingParams(max_tokens=1)] * len(ids), score_only=True)
-        self._drain(len(groups), False)
+        self._drain([seqs[0] for _, seqs in groups], False)
         return [list(seqs[0].prompt_logprobs) for _, seqs in groups]
 
     # ---- embeddings --------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class LLM:
             for seq in seqs:
                 engine.abort(seq.request_id)
             raise
-        self._drain(len(seqs), use_tqdm, engine)
+        self._drain(seqs, use_tqdm, engine)
         return seqs
 
     def _pooler(self) -> LLMEngine:
@@ -340,12 +340,21 @@ class LLM:
             finished=all(o.finished() for o in chosen), num_cached_tokens=first.num_cached_tokens,
             system_fingerprint=self.fingerprint, metrics=first.metrics)
 
-    def _drain(self, total: int, use_tqdm: bool | Callable[..., tqdm],
+    def _drain(self, seqs: list[Any], use_tqdm: bool | Callable[..., tqdm],
                engine: LLMEngine | None = None) -> None:
+        """Run the engine until ``seqs`` (this call's requests) are done. On any exception, an
+        interrupt too, this call's requests are aborted first: a caller that goes on finds the
+        engine as it was before the call, not still holding them."""
+        engine = engine or self.engine
         bar = use_tqdm if callable(use_tqdm) else tqdm
-        with bar(total=total, disable=not use_tqdm, desc="Processed prompts") as progress:
-            for _ in (engine or self.engine).run_to_completion():
-                progress.update(1)
+        try:
+            with bar(total=len(seqs), disable=not use_tqdm, desc="Processed prompts") as progress:
+                for _ in engine.run_to_completion():
+                    progress.update(1)
+        except BaseException:
+            for seq in seqs:
+                engine.abort(seq.request_id)
+            raise
 
 
 def _no_lora(lora_request: Any) -> None:

@@ -139,3 +139,23 @@ def test_model_may_be_a_pathlib_path_and_anything_else_is_refused(config_file):
     assert llm.engine.config.model == config_file
     with pytest.raises(ValueError, match="model must be a path or a name"):
         EngineConfig(model=3)
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(config_file, monkeypatch):
+    """A generate (or score) stopped by an exception or Ctrl-C aborts its own requests: the
+    engine holds none of them, and the next call returns what it would have returned."""
+    llm = LLM(config_file, load_format="dummy", num_kv_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    step, steps = llm.engine.step, iter(range(10**9))
+
+    def interrupted_at_the_third_step():
+        if next(steps) == 2:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(llm.engine, "step", interrupted_at_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

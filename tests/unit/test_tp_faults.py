@@ -126,17 +126,14 @@ def test_rank_0_stopping_inside_a_call_breaks_the_engine_instead_of_misaligning_
         monkeypatch.setattr(runner, "prepare", failing_once)
         with pytest.raises(ValueError, match="bad input"):
             llm.generate(prompt, params)
-        _abort_all(llm)
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == base  # control
         monkeypatch.setattr(sampler, "start_sample", _interrupting_once(sampler.start_sample))
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompt, params)
-        _abort_all(llm)
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == base  # control
         monkeypatch.setattr(runner.group, "all_gather", _interrupt_at_gather(runner.group, 6))
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompt, params)
-        _abort_all(llm)
         with pytest.raises(RankFailedError, match="rank 0 stopped inside a call.*out of step"):
             llm.generate(prompt, params)
         with pytest.raises(RankFailedError, match="out of step"):
@@ -168,12 +165,6 @@ def test_ranks_take_consecutive_gpus_from_the_configured_one_and_missing_ones_ar
     with pytest.raises(ValueError, match=r"cuda:2\.\.cuda:3, but this machine has 3 CUDA"):
         start_runner(config)
     check_devices(EngineConfig("unused", device="cuda:1", tensor_parallel_size=2))  # fits
-
-
-def _abort_all(llm: LLM) -> None:
-    """Drop the requests a raising ``generate`` left in the engine."""
-    for request_id in list(llm.engine.requests):
-        llm.engine.abort(request_id)
 
 
 def _sharded_total() -> int:
