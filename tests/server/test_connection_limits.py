@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import socket
+import statistics
 import time
 
 import httpx
@@ -53,6 +54,12 @@ def _health_s(srv) -> float:
     return took
 
 
+def _health_typical_s(srv) -> float:
+    """The median of five ``_health_s``: a server the held sockets block answers every one
+    late; one scheduling hiccup of a shared machine delays one."""
+    return statistics.median(_health_s(srv) for _ in range(5))
+
+
 def _slowloris(srv, n: int) -> list[socket.socket]:
     """n connections, each with an unfinished request head."""
     socks = []
@@ -86,7 +93,7 @@ def test_slowloris_sockets_are_closed_by_the_header_deadline_and_health_stays_fa
         socks = _slowloris(srv, SLOWLORIS)
         try:
             time.sleep(0.2)
-            assert max(_health_s(srv) for _ in range(5)) < HEALTH_BUDGET_S
+            assert _health_typical_s(srv) < HEALTH_BUDGET_S
             start = time.monotonic()
             assert all(closed_by_peer(s, HEADER_TIMEOUT_S + 2.0) for s in socks)
             assert time.monotonic() - start < HEADER_TIMEOUT_S + 2.0
@@ -110,7 +117,7 @@ def test_idle_connections_past_the_cap_are_evicted_oldest_first(engine):
     with live(engine, limits) as srv:
         socks = _slowloris(srv, 40)
         try:
-            assert max(_health_s(srv) for _ in range(5)) < HEALTH_BUDGET_S
+            assert _health_typical_s(srv) < HEALTH_BUDGET_S
             assert all(closed_by_peer(s, 2.0) for s in socks[:20])  # the oldest went first
             assert not any(closed_by_peer(s, 0.05) for s in socks[-10:])
         finally:
@@ -131,7 +138,7 @@ def test_past_the_cap_with_every_connection_busy_work_gets_503_and_health_200(en
                            json={"prompt": [1, 2], "max_tokens": 1})
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
             assert int(r.headers["retry-after"]) >= 1
-            assert max(_health_s(srv) for _ in range(5)) < HEALTH_BUDGET_S
+            assert _health_typical_s(srv) < HEALTH_BUDGET_S
         finally:
             _close(busy)
 
@@ -161,7 +168,7 @@ def test_bodies_held_at_once_stay_within_the_budget(engine):
             uploads[2].sendall(head + b" " * (mib // 2))
             reply = _reply(uploads[2], 5.0)
             assert reply.startswith(b"HTTP/1.1 503") and b"max-buffered-bytes" in reply
-            assert max(_health_s(srv) for _ in range(5)) < HEALTH_BUDGET_S
+            assert _health_typical_s(srv) < HEALTH_BUDGET_S
         finally:
             _close(uploads)
         time.sleep(0.3)  # the refused and closed uploads gave their bytes back
