@@ -36,7 +36,7 @@ from samebits.distributed.group import TPGroup
 from samebits.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from samebits.models.moe_config import MoeModelConfig
 from samebits.models.parallel import expert_param, replicated_param
-from samebits.models.weights import load_weights, tensor_shape
+from samebits.models.weights import tensor_shape
 from samebits.ops.backend import OpBackend
 from samebits.ops.moe import (
     combine_experts,
@@ -143,14 +143,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         """(name, tensor) pairs in this model's per-expert HF names: transformers' stacked
         in-memory form (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I],
         ``save_original_format=False``, a v5 model's ``named_parameters``) split per expert,
-        Mixtral's ``mlp`` spelled ``block_sparse_moe``; per-expert tensors as they are."""
+        Mixtral's ``mlp`` spelled ``block_sparse_moe``; per-expert tensors as they are. Loading
+        and ``update_weights`` both take names through it (``weights.hf_spelled``)."""
         for name, t in _unstacked(weights, self._mixtral):
             yield self.hf_rename(name), t
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Per-expert HF tensors (as transformers saves them), or the stacked form
-        (``hf_weights``)."""
-        load_weights(self, self.hf_weights(weights))
 
 
 _EXPERT_NAMES = {False: ("gate_proj", "up_proj", "down_proj"), True: ("w1", "w3", "w2")}

@@ -138,13 +138,23 @@ class WeightMap:
         return None
 
 
+def hf_spelled(model: nn.Module, weights: Iterable[tuple[str, Any]]
+               ) -> Iterable[tuple[str, Any]]:
+    """(name, tensor) pairs in the model's own HF names, for loading and updating alike: its
+    ``hf_weights`` where it has one (a mixture of experts: stacked experts split, Mixtral's
+    spelling), else each name through its ``hf_rename`` (or as given)."""
+    convert = getattr(model, "hf_weights", None)
+    if convert is not None:
+        return convert(weights)
+    rename = getattr(model, "hf_rename", lambda n: n)
+    return ((rename(name), t) for name, t in weights)
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
     """Copy a whole checkpoint in: every weight exactly once, each with its exact (whole) shape;
     a weight is a tensor or a safetensors slice, of which only this rank's part is read."""
     wmap, written = WeightMap(model), set()
-    rename = getattr(model, "hf_rename", lambda n: n)
-    for name, tensor in weights:
-        name = rename(name)
+    for name, tensor in hf_spelled(model, weights):
         if name not in wmap.slots:
             if model.hf_ignored(name):
                 continue
@@ -165,18 +175,15 @@ def update_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                    ) -> list[tuple[str, torch.Tensor]]:
     """Validate every tensor first, then copy all in place (all or nothing); the checked list.
 
-    Raises ``ValueError`` naming the first bad parameter; the model is then unchanged. A model
-    with ``hf_weights`` (a mixture of experts) takes the names loading takes: the checked list is
-    in its own per-expert names.
+    Raises ``ValueError`` naming the first bad parameter; the model is then unchanged. It takes
+    the names loading takes (``hf_spelled``); the checked list is in the model's own names.
     """
     wmap = WeightMap(model)
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"update_weights: {name!r} is not a tensor")
-    spelled = getattr(model, "hf_weights", None)
-    if spelled is not None:
-        items = list(spelled(items))
+    items = list(hf_spelled(model, items))
     seen: set[str] = set()
     for name, tensor in items:
         problem = wmap.check(name, tensor)
