@@ -60,7 +60,7 @@ def main() -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             print(json.dumps({"shape": [m, k, n], "floor_us": round(floor, 1),
                               "cublas_us": round(stock, 1), "default_us": round(default, 1),
-                              "default_cfg": L.pick_config(m, n, k, x.dtype).__dict__,
+                              "default_cfg": L.pick_config(m, n, k, x.dtype, plain_tma=True).__dict__,
                               "best_us": round(best[0], 1), "best_cfg": best[1].__dict__,
                               "best_over_floor": round(best[0] / floor, 3)}), flush=True)
         del w

@@ -204,7 +204,7 @@ def _tile_gpu_us(m: int, n: int, k: int = 4096) -> dict:
     x = torch.randn(m, k, device="cuda").bfloat16()
     w = torch.randn(n, k, device="cuda").bfloat16()
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    tiles = {"picked": tl_linear.pick_config(m, n, k, x.dtype),
+    tiles = {"picked": tl_linear.pick_config(m, n, k, x.dtype, plain_tma=True),
              "ptr_64x64x128": tl_linear.GemmConfig(64, 64, 128, 4, 4),
              "ptr_64x128x64": tl_linear.GemmConfig(64, 128, 64, 4, 4),
              "ptr_128x64x64": tl_linear.GemmConfig(128, 64, 64, 4, 4),

@@ -102,7 +102,7 @@ def bench_linear(sweep: bool) -> None:
             stock = us(F.linear, x, w)
             if not sweep:
                 emit("linear", {"M": m, "K": k, "N": n}, "bf16", us(L.linear, x, w), stock,
-                     config=L.pick_config(m, n, k, x.dtype).__dict__,
+                     config=L.pick_config(m, n, k, x.dtype, plain_tma=True).__dict__,
                      segments=L.num_segments(k, n), invariant_eager_us=round(
                          us(L.linear, x, w, graph=False), 2),
                      stock_eager_us=round(us(F.linear, x, w, graph=False), 2))

@@ -179,7 +179,8 @@ class RowParallelLinear(nn.Module):
     """x [..., this rank's K columns] -> [..., N], summed over every rank's K chains: ``chains``
     C (``OpBackend.row_parallel_chains``) over the ``segments`` S, N dividing C dividing S.
     ``into_norm``: the output is only ever the x of ``ops.rms_norm(x, w, eps, residual)``, which
-    may then be handed a ``PendingRankSum`` (``gathered``)."""
+    may then be handed a ``PendingRankSum`` (``gathered``; on one device, up to the backend's
+    ``partials_into_norm_rows`` rows, its chain partials)."""
 
     def __init__(self, input_size: int, output_size: int, segments: int, group: TPGroup,
                  chains: int, bias: bool = False, into_norm: bool = False) -> None:
@@ -214,7 +215,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         if self.group.world_size == 1:
-            return ops.linear(x, self.weight, self.bias, k_bounds=self.chains(ops))
+            chains = self.chains(ops)
+            if (chains is not None and self._norm_sums(ops)
+                    and x.shape[:-1].numel() <= ops.partials_into_norm_rows):
+                return PendingRankSum(ops.linear_partials(x, self.weight, chains), x.dtype)
+            return ops.linear(x, self.weight, self.bias, k_bounds=chains)
         if not ops.batch_invariant:
             out = self.group.all_reduce_sum(ops.linear(x, self.weight))
             return out if self.bias is None else out + self.bias
@@ -231,10 +236,14 @@ class RowParallelLinear(nn.Module):
             every = self.rank_sums(ops, x)  # [N, ..., H]
         else:
             every = self.group.all_gather(ops.linear_partials(x, self.weight, self.k_bounds))
-        if self.into_norm and self.bias is None and ops.sums_in_norm:
+        if self._norm_sums(ops):
             return PendingRankSum(every, x.dtype)
         out = ops.sum_tree(every, x.dtype)  # every: [N or C, ..., H]
         return out if self.bias is None else out + self.bias
+
+    def _norm_sums(self, ops: OpBackend) -> bool:
+        """Whether the norm this layer feeds adds its sum's parts (``PendingRankSum``)."""
+        return self.into_norm and self.bias is None and ops.sums_in_norm
 
     def rank_sums(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor:
         """[N, ..., H] fp32: every rank's ``linear_sum`` of its own chains, in rank order --

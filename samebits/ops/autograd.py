@@ -338,6 +338,7 @@ class DifferentiableOps:
         self.name, self.batch_invariant = inner.name, inner.batch_invariant
         self.row_parallel_chains = inner.row_parallel_chains
         self.sums_in_norm = False  # the differentiable norm takes tensors
+        self.partials_into_norm_rows = 0
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

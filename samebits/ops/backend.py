@@ -82,6 +82,11 @@ class OpBackend(Protocol):
     # whether ``rms_norm(x, w, eps, residual)`` takes a row-parallel layer's ``PendingRankSum`` as
     # x (the ranks' gathered sums, added in the norm's kernel); else the layer resolves it first
     sums_in_norm: bool
+    # on one device, up to this many rows a row-parallel layer of several K chains whose output
+    # only feeds the norm hands it the chain partials (a ``PendingRankSum``, where
+    # ``sums_in_norm``) instead of their sum: the linear's bits, one launch fewer where the
+    # linear would write the partials to memory anyway. 0: never
+    partials_into_norm_rows: int
 
     def row_parallel_chains(self, segments: int, world_size: int) -> int:
         """How many K chains a decoder's row-parallel linears (o_proj, down_proj) run over their

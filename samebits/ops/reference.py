@@ -233,6 +233,7 @@ class ReferenceBackend(InvariantEncoderOps):
     batch_invariant = True
     row_parallel_chains = staticmethod(every_segment)  # the C++ chain restarts for free
     sums_in_norm = False
+    partials_into_norm_rows = 0
 
     linear = staticmethod(linear)
     linear_partials = staticmethod(linear_partials)

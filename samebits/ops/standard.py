@@ -32,6 +32,7 @@ class StandardBackend(StandardEncoderOps):
     batch_invariant = False
     row_parallel_chains = staticmethod(one_chain_per_rank)  # stock kernels pick the K order
     sums_in_norm = False
+    partials_into_norm_rows = 0
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

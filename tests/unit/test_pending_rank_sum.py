@@ -191,3 +191,43 @@ def test_decoder_handing_its_rank_sums_to_the_norms_equals_summing_first(dtype, 
     if dtype == torch.float32:  # negative control: the ranks' sums added in chain order
         chain = _resolving(lambda p, dt: functools.reduce(torch.add, p).to(dt))
         assert not torch.equal(got, _decoder_hidden(model, chain, lens, seed=0))
+
+
+def _one_device_decoder(dtype: torch.dtype):
+    from samebits.loader import build_model
+    from samebits.loader.dummy import init_dummy_weights
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 16, "rms_norm_eps": EPS,
+        "max_position_embeddings": 64})
+    model = build_model(cfg, _ops(), 64, "cpu", dtype, TPGroup(0, 1))
+    init_dummy_weights(model, seed=7, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_device_decode_rows_hand_chain_partials_to_the_norm_with_the_linears_bits(
+        dtype, monkeypatch):
+    """On one device, up to ``partials_into_norm_rows`` rows, o_proj and down_proj (two K
+    chains) hand the norm their chain partials: the hidden states of the linear summing them."""
+    from samebits.ops.triton import rms_norm as RN
+    model = _one_device_decoder(dtype)
+    fused = []
+    real = RN.rank_sum_add_rms_norm
+    monkeypatch.setattr(RN, "rank_sum_add_rms_norm", lambda *a: fused.append(a) or real(*a))
+    decode = [1, 2, 1, 3]  # 7 rows: a decode batch
+    got = _decoder_hidden(model, _ops(), decode, seed=1)
+    assert len(fused) == 4 and all(a[0].count == 2 for a in fused)  # 2 layers x 2 linears
+    assert torch.equal(got, _decoder_hidden(model, _resolving(), decode, seed=1))
+    fused.clear()
+    prefill = [_ops().partials_into_norm_rows + 1]  # one row more: the linear sums them itself
+    assert torch.equal(_decoder_hidden(model, _ops(), prefill, seed=2),
+                       _decoder_hidden(model, _resolving(), prefill, seed=2))
+    assert not fused
+    if dtype == torch.float16:  # negative control: each partial cast before they are added
+        def cast_first(x, residual, w, eps):
+            parts = x.parts.to(x.dtype).float()
+            return real(PendingRankSum(parts, x.dtype), residual, w, eps)
+        monkeypatch.setattr(RN, "rank_sum_add_rms_norm", cast_first)
+        assert not torch.equal(_decoder_hidden(model, _ops(), decode, seed=1), got)

@@ -77,6 +77,20 @@ def test_linear_tma_kernel_matches_pointer_kernel() -> None:
     assert torch.equal(_lin(x[5:9], w, b, cfg=tma), ref[5:9])
 
 
+def test_a_decode_gemv_takes_the_tma_tile_only_where_the_one_segment_tma_kernel_runs() -> None:
+    """Up to 8 rows, a plain one-segment product takes ``GEMV_TMA_TILE`` (the same rows as the
+    pointer kernel's); chained K, an unaligned x and more rows keep the pointer tiles."""
+    torch.manual_seed(6)
+    x, w = torch.randn(9, 512).half(), (torch.randn(320, 512) / 16).half()  # N > a router's
+    assert L.plan_of(x[:1], w).schedule == "tma" and L.plan_of(x[:8], w).schedule == "tma"
+    assert L.plan_of(x[:1], w, segments=2).schedule == "split"
+    assert L.plan_of(x, w).schedule == "pointer"  # 9 rows
+    unaligned = torch.randn(4 * 512 + 1).half()[1:].view(4, 512)
+    assert L.plan_of(unaligned, w).schedule == "pointer"
+    pointer = L.GemmConfig(16, 64, 256, 4, 4)
+    assert torch.equal(L.linear(x[:3], w), _lin(x[:3], w, cfg=pointer))
+
+
 @pytest.mark.parametrize("segs", [2, 3, 4, 5, 8])
 def test_linear_segments_are_tree_summed_with_the_bias_then_cast(segs) -> None:
     """Uniform segments (the kernel's own, a bias): the fp32 partials ``partials`` gives, added

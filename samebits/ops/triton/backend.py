@@ -21,6 +21,7 @@ from samebits.ops.encoder import InvariantEncoderOps
 from samebits.ops.pending_rank_sum import PendingRankSum
 from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
+from samebits.ops.triton.linear_tiles import FUSED_MIN_M
 
 # The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
 # splits and key blocks); launch tuning that cannot change the bits lives in them too, so the
@@ -49,6 +50,9 @@ class TritonBackend(InvariantEncoderOps):
     # rms_norm takes a PendingRankSum for x (a row-parallel layer's gathered rank sums, left to
     # the residual add + norm: samebits.models.parallel)
     sums_in_norm = True
+    # up to FUSED_MIN_M rows the segmented linear writes each chain's fp32 partial and sums them
+    # in a second launch (linear_tiles.py); the norm's kernel adds them instead
+    partials_into_norm_rows = FUSED_MIN_M
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:

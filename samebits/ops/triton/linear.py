@@ -333,10 +333,13 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     2**31)."""
     has_bias, wide = b_dtype is not None, m * n >= 2 ** 31
     has_peer, align = peer is not None, alignment(*offsets, 1 if peer is None else peer)
-    cfg = pick_config(m, n, k, x_dtype) if cfg is None else cfg
     segments = num_segments(k, n) if segments is None else segments
     layout = uniform_layout(k, segments) if isinstance(segments, int) else segments
     segs = layout.count
+    if cfg is None:
+        plain_tma = segs == 1 and not keep and not has_peer and _tma_ok(
+            x_dtype, w_dtype, out_dtype, k, n, align, contiguous)
+        cfg = pick_config(m, n, k, x_dtype, plain_tma)
     if (cfg.tma and segs == 1 and not keep and not has_peer
             and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous)):
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)

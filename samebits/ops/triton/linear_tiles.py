@@ -166,16 +166,26 @@ def segmented_tma_config(segments: int, m: int) -> GemmConfig:
     return SEGMENTED_TMA_TILES[(segments - 1).bit_length() - 2]
 
 
+# a one-segment GEMV (up to 8 rows, N below the LM head's) through the persistent TMA kernel:
+# in the decode step's CUDA graph, Qwen3-30B-A3B's qkv (K 2048, N 5120) 10.4-10.6 us against
+# 11.2-12.4 for the pointer tile with its prefetch (H100, benchmarks/RESULTS.md)
+GEMV_TMA_TILE = GemmConfig(16, 64, 256, 4, 4, tma=True)
+
+
 @functools.lru_cache(maxsize=4096)
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """Tile shape for an M-row product (free to vary: it does not change the bits)."""
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, plain_tma: bool = False
+                ) -> GemmConfig:
+    """Tile shape for an M-row product (free to vary: it does not change the bits).
+    ``plain_tma``: the one-segment TMA kernel can take the product (one K segment, no partials
+    kept, no peer output, operands TMA can read)."""
     if dtype == torch.float32:  # FMA path: small tiles, BLOCK_K divides SEGMENT_ALIGN
         return GemmConfig(32 if m <= 32 else 64, 64, 32, 4, 3)
     if m <= 16 and n <= 256:  # a router: 16 columns a program spread it over 8x the SMs
         return GemmConfig(16, 16, 512 if k % 512 == 0 else 256, 4, 4, prefetch=PREFETCH)
     if m <= 8:
         if n < 24576:
-            return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
+            return GEMV_TMA_TILE if plain_tma else GemmConfig(16, 64, 256, 4, 4,
+                                                                prefetch=PREFETCH)
         return GemmConfig(16, 64, 128, 4, 5, prefetch=PREFETCH)
     if m <= 16:
         return GemmConfig(16, 64, 256, 4, 4, prefetch=PREFETCH)
