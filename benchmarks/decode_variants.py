@@ -6,10 +6,10 @@
 
 Loads the model once (the 61 GB MoE shapes take ~65 s), then for each round and each variant --
 the default first -- sets the variant's attributes, drops the tile policies' caches, recaptures
-the decode CUDA graphs (a few seconds) and measures: decode tok/s (``decode_rate``: the prefill
-cancels), the graph replay time of one batch-1 step (``graph_us``), the ratio of each to the
-default's in the same round, and a hash of 64 greedy tokens (a setting that only moves speed
-leaves it unchanged). The settings are restored after each variant.
+the CUDA graphs through ``sleep(1)`` / ``wake_up()`` (a few seconds) and measures: decode
+tok/s (``decode_rate``: the prefill cancels), the graph replay time of one batch-1 step
+(``graph_us``), the ratio of each to the default's in the same round, and a hash of 64 greedy
+tokens (a setting that only moves speed leaves it unchanged). The settings are restored after each variant.
 
 A setting is ``module:attr.path=expression``; the expression is evaluated in the module's
 namespace (``GemmConfig(16, 64, 256, 4, 4, tma=True)`` works in ``linear_tiles``). A variant
@@ -35,29 +35,28 @@ CACHED = ("samebits.ops.triton.linear", "samebits.ops.triton.linear_tiles",
           "samebits.ops.triton.moe", "samebits.ops.triton.rms_norm")
 
 
-def parse(setting: str) -> tuple[object, str, str]:
-    """``module:a.b.c=expr`` -> (the object holding ``c``, "c", "expr")."""
+def parse(setting: str) -> tuple[dict, object, str, str]:
+    """``module:a.b.c=expr`` -> (the module's namespace, the object holding ``c``, "c", "expr")."""
     target, _, expr = setting.partition("=")
     module, _, path = target.partition(":")
     if not expr or not path:
         raise SystemExit(f"--variant: {setting!r} is not module:attr=expression")
-    holder = importlib.import_module(module.strip())
+    holder = module = importlib.import_module(module.strip())
     *parents, leaf = path.strip().split(".")
     for name in parents:
         holder = getattr(holder, name)
     if not hasattr(holder, leaf):
         raise SystemExit(f"--variant: {target!r} names no attribute")
-    return holder, leaf, expr.strip()
+    return vars(module), holder, leaf, expr.strip()
 
 
 def apply(settings: list[str]) -> list[tuple[object, str, object]]:
     """Set each setting; returns what to restore."""
     undo = []
     for setting in settings:
-        holder, leaf, expr = parse(setting)
-        module = importlib.import_module(setting.partition(":")[0].strip())
+        namespace, holder, leaf, expr = parse(setting)
         undo.append((holder, leaf, getattr(holder, leaf)))
-        setattr(holder, leaf, eval(expr, vars(module)))  # noqa: S307 (a benchmark's own CLI)
+        setattr(holder, leaf, eval(expr, namespace))  # noqa: S307 (a benchmark's own CLI)
     return undo
 
 
@@ -70,10 +69,9 @@ def drop_caches() -> None:
 
 
 def measure(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
-    runner = llm.engine.runner
     drop_caches()
-    runner.release_graphs()
-    runner.graphs, runner.piecewise = runner._new_graphs(), runner._new_piecewise()
+    llm.sleep(1)  # the KV cache and the graphs over it go; wake_up captures them anew
+    llm.wake_up()
     rate = decode_rate(llm, prompts, tokens, 0.0)
     step = graph_us(llm, 1, len(prompts[0]) + tokens)["graph_replay_us"]
     ids = llm.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True,
@@ -97,7 +95,7 @@ def main() -> None:
             parse(setting)  # refuse a bad setting before the model loads
     t0 = time.time()
     llm = LLM(args.model, load_format="dummy", device="cuda", enable_prefix_caching=False,
-              max_num_seqs=8, max_model_len=1024)
+              max_num_seqs=8, max_model_len=1024, enable_sleep_mode=True)
     print(json.dumps({"bench": "decode_variants", "model": args.model,
                       "load_s": round(time.time() - t0, 1)}), flush=True)
     prompts = [[100 + i % 5000 for i in range(128)]]

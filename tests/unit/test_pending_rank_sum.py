@@ -168,42 +168,35 @@ def _decoder_hidden(model, ops, lens: list[int], seed: int) -> torch.Tensor:
     return model(ids, pos, caches, dataclasses.replace(ops.plan_attention(meta)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decoder_handing_its_rank_sums_to_the_norms_equals_summing_first(dtype, monkeypatch):
+def _decoder(dtype: torch.dtype, group: TPGroup, seed: int):
+    """A two-layer Qwen3 decoder with WORLD KV heads on the Triton backend, rank 0 of ``group``."""
     from samebits.loader import build_model
     from samebits.loader.dummy import init_dummy_weights
-    from samebits.ops.triton import rms_norm as RN
     cfg = ModelConfig.from_dict({
         "architectures": ["Qwen3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
         "num_key_value_heads": WORLD, "head_dim": 16, "rms_norm_eps": EPS,
         "max_position_embeddings": 64})
-    model = build_model(cfg, _ops(), 64, "cpu", dtype, _Loopback())
-    init_dummy_weights(model, seed=5, std=0.2)
+    model = build_model(cfg, _ops(), 64, "cpu", dtype, group)
+    init_dummy_weights(model, seed=seed, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decoder_handing_its_rank_sums_to_the_norms_equals_summing_first(dtype, monkeypatch):
+    from samebits.ops.triton import rms_norm as RN
+    model = _decoder(dtype, _Loopback(), seed=5)
     fused = []
     monkeypatch.setattr(RN, "rank_sum_add_rms_norm",
                         lambda *a, f=RN.rank_sum_add_rms_norm: fused.append(a) or f(*a))
     lens = [1, 6]
     got = _decoder_hidden(model, _ops(), lens, seed=0)
-    assert len(fused) == 2 * cfg.num_hidden_layers  # o_proj's and down_proj's, every layer
+    assert len(fused) == 2 * model.cfg.num_hidden_layers  # o_proj's and down_proj's, every layer
     assert all(a[0].count == WORLD for a in fused)
     assert torch.equal(got, _decoder_hidden(model, _resolving(), lens, seed=0))
     if dtype == torch.float32:  # negative control: the ranks' sums added in chain order
         chain = _resolving(lambda p, dt: functools.reduce(torch.add, p).to(dt))
         assert not torch.equal(got, _decoder_hidden(model, chain, lens, seed=0))
-
-
-def _one_device_decoder(dtype: torch.dtype):
-    from samebits.loader import build_model
-    from samebits.loader.dummy import init_dummy_weights
-    cfg = ModelConfig.from_dict({
-        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 16, "rms_norm_eps": EPS,
-        "max_position_embeddings": 64})
-    model = build_model(cfg, _ops(), 64, "cpu", dtype, TPGroup(0, 1))
-    init_dummy_weights(model, seed=7, std=0.2)
-    return model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -212,7 +205,7 @@ def test_one_device_decode_rows_hand_chain_partials_to_the_norm_with_the_linears
     """On one device, up to ``partials_into_norm_rows`` rows, o_proj and down_proj (two K
     chains) hand the norm their chain partials: the hidden states of the linear summing them."""
     from samebits.ops.triton import rms_norm as RN
-    model = _one_device_decoder(dtype)
+    model = _decoder(dtype, TPGroup(0, 1), seed=7)
     fused = []
     real = RN.rank_sum_add_rms_norm
     monkeypatch.setattr(RN, "rank_sum_add_rms_norm", lambda *a: fused.append(a) or real(*a))

@@ -336,12 +336,10 @@ def _plan(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
     segments = num_segments(k, n) if segments is None else segments
     layout = uniform_layout(k, segments) if isinstance(segments, int) else segments
     segs = layout.count
-    if cfg is None:
-        plain_tma = segs == 1 and not keep and not has_peer and _tma_ok(
-            x_dtype, w_dtype, out_dtype, k, n, align, contiguous)
-        cfg = pick_config(m, n, k, x_dtype, plain_tma)
-    if (cfg.tma and segs == 1 and not keep and not has_peer
-            and _tma_ok(x_dtype, w_dtype, out_dtype, k, n, align, contiguous)):
+    plain_tma = segs == 1 and not keep and not has_peer and _tma_ok(
+        x_dtype, w_dtype, out_dtype, k, n, align, contiguous)  # the one-segment TMA kernel runs it
+    cfg = pick_config(m, n, k, x_dtype, plain_tma) if cfg is None else cfg
+    if cfg.tma and plain_tma:
         return _tma_plan(m, n, k, x_dtype, w_dtype, out_dtype, b_dtype, cfg, pdl, align)
     if (cfg.tma and segs <= SEGMENTED_TMA_MAX and not keep and b_dtype is None
             and layout.even(k, cfg.block_k) and layout.count * layout.base == k

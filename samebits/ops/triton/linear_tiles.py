@@ -166,7 +166,7 @@ def segmented_tma_config(segments: int, m: int) -> GemmConfig:
     return SEGMENTED_TMA_TILES[(segments - 1).bit_length() - 2]
 
 
-# a one-segment GEMV (up to 8 rows, N below the LM head's) through the persistent TMA kernel:
+# a one-segment GEMV (up to 8 rows, N < 24576) through the persistent TMA kernel:
 # in the decode step's CUDA graph, Qwen3-30B-A3B's qkv (K 2048, N 5120) 10.4-10.6 us against
 # 11.2-12.4 for the pointer tile with its prefetch (H100, benchmarks/RESULTS.md)
 GEMV_TMA_TILE = GemmConfig(16, 64, 256, 4, 4, tma=True)
