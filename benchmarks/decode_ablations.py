@@ -7,8 +7,9 @@ most any fusion of them could save. Probes change only speed (the tokens stay th
     python benchmarks/decode_variants.py \
         --variant "no router+route" "samebits.models.moe:SparseMoeBlock.forward=$A.forward_no_route" \
         --variant "no combine" "samebits.ops.triton.moe:combine=$A.noop" \
-        --variant "no merge" "samebits.ops.triton.attention:_merge_kernel=$A.noop_kernel" \
-        --variant "o_proj BN32" "samebits.ops.triton.linear:pick_config=$A.gemv_tile(32)" \
+        --variant "no merge" "samebits.ops.triton.attention:_merge_kernel=$A.noop_kernel;\
+samebits.ops.triton.attention:_merge_scan_kernel=$A.noop_kernel" \
+        --variant "o_proj BN32" "samebits.ops.triton.linear_tiles:pick_config=$A.gemv_tile(32)" \
         --variant "gate/up BN16" "samebits.ops.triton.moe:pick_config=$A.expert_tiles(16, 64)" \
         --variant "o_proj weights into L2 during attention" \
             "samebits.models.llama:Attention.forward=$A.attention_prefetching;\
@@ -60,8 +61,10 @@ noop_kernel = _NoLaunch()  # stands in for a ``kernel[grid](...)`` launch
 
 
 def gemv_tile(block_n: int, block_k: int = 256, stages: int = 4):
-    """linear's ``pick_config`` with BLOCK_N-column pointer / split tiles for 16-bit products of
-    up to 8 rows that the one-segment TMA kernel does not take (o_proj's two chains)."""
+    """``pick_config`` with BLOCK_N-column pointer / split tiles for 16-bit products of up to 8
+    rows that the one-segment TMA kernel does not take. Set it on ``linear_tiles`` for segmented
+    products (``segmented_config`` calls it there: o_proj's and down_proj's two chains), on
+    ``linear`` (which imported the name) for one-segment ones."""
     base = linear_tiles.pick_config
 
     def pick(m, n, k, dtype, plain_tma=False):
