@@ -27,10 +27,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from samebits.models.llama import DecoderLayer
 from samebits.ops.moe import fused_experts
 from samebits.ops.triton import linear_tiles
 from samebits.ops.triton import moe as triton_moe
 from samebits.ops.triton.launcher import programmatic
+from samebits.ops.triton.linear_kernels import _prefetch_rows
 
 _FIXED: dict = {}
 
@@ -87,26 +89,20 @@ def expert_tiles(gated_n: int, down_n: int, block_k: int = 128, stages: int = 4)
 
 
 # ---- dense weights asked of L2 while a layer's small kernels run ----------------------------
-CHUNK, THREADS = 1024, 128
+THREADS, CHUNK = 128, 1024  # a program asks for THREADS x CHUNK bytes: whole weight rows
 PREFETCH = {"o_proj": None, "qkv": None}
+_LAYER_FORWARD = DecoderLayer.forward
 
 
 @triton.jit
-def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr,
-                        WAIT_FIRST: tl.constexpr):
-    """Program p asks L2 for bytes [p THREADS CHUNK, (p + 1) THREADS CHUNK) of ``ptr``'s
-    tensor, before or after waiting for the previous kernel (it reads nothing)."""
+def _l2_prefetch_kernel(w_ptr, N, K, ROWS: tl.constexpr, BYTES: tl.constexpr,
+                        THREADS: tl.constexpr, WAIT_FIRST: tl.constexpr):
+    """Program p asks L2 for rows [p ROWS, (p + 1) ROWS) of the [N, K] weight (linear_kernels'
+    ``_prefetch_rows``), before or after waiting for the previous kernel (it reads nothing)."""
     if WAIT_FIRST:
         gdc_wait()
         gdc_launch_dependents()
-    e = tl.arange(0, THREADS)
-    lo = (tl.program_id(0) * THREADS + e).to(tl.int64) * CHUNK
-    size = tl.minimum(tl.maximum(nbytes - lo, 0), CHUNK)
-    addr = (ptr + tl.zeros([THREADS], tl.int64)).to(tl.int64, bitcast=True) + lo
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-        "mov.u32 $0, 0; }", "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32,
-        is_pure=False, pack=1)
+    _prefetch_rows(w_ptr, tl.program_id(0) * ROWS, N, K, K, ROWS, BYTES, THREADS)
     if not WAIT_FIRST:
         gdc_launch_dependents()
         gdc_wait()
@@ -116,17 +112,20 @@ def modes(o_proj: bool | None, qkv: bool | None) -> dict:
     return {"o_proj": o_proj, "qkv": qkv}
 
 
-def _prefetch(t: torch.Tensor, wait_first: bool | None) -> None:
-    if wait_first is None or not programmatic(t):
+def _prefetch(w: torch.Tensor, wait_first: bool | None) -> None:
+    """Ask L2 for the contiguous 2-D weight ``w`` (rows a whole divisor of THREADS x CHUNK)."""
+    if wait_first is None or not programmatic(w):
         return
-    n = t.numel() * t.element_size() // 16 * 16
-    _l2_prefetch_kernel[(triton.cdiv(n, CHUNK * THREADS),)](
-        t, n, CHUNK=CHUNK, THREADS=THREADS, WAIT_FIRST=wait_first, num_warps=4,
-        launch_pdl=True)
+    n, k = w.shape
+    rows = THREADS * CHUNK // (k * w.element_size())
+    _l2_prefetch_kernel[(triton.cdiv(n, rows),)](w, n, k, ROWS=rows, BYTES=THREADS * CHUNK,
+                                                 THREADS=THREADS, WAIT_FIRST=wait_first,
+                                                 num_warps=4, launch_pdl=True)
 
 
 def attention_prefetching(self, ops, h, cos, sin, kv_cache, meta):
-    """``Attention.forward`` with o_proj's weights asked of L2 after the rope kernel."""
+    """``Attention.forward`` with o_proj's weights asked of L2 after the rope kernel (the one
+    place a wrapper cannot reach: between two of its ops)."""
     t = h.shape[0]
     q = ops.qkv_rope_store(self.qkv_proj(ops, h), cos, sin, self.q_norm, self.k_norm, self.eps,
                            kv_cache[0], kv_cache[1], meta.slot_mapping, self.hq, self.hkv,
@@ -137,12 +136,8 @@ def attention_prefetching(self, ops, h, cos, sin, kv_cache, meta):
     return self.o_proj(ops, o.reshape(t, self.hq * self.d))
 
 
-def layer_prefetching(self, ops, h, residual, cos, sin, kv_cache, meta):
-    """``DecoderLayer.forward`` with qkv's weights asked of L2 before the input norm."""
-    from samebits.models.llama import add_norm
+def layer_prefetching(self, ops, h, *args):
+    """``DecoderLayer.forward`` after asking L2 for qkv's weights (before the input norm)."""
     if h.shape[0] <= 16:  # decode steps
         _prefetch(self.self_attn.qkv_proj.weight, PREFETCH["qkv"])
-    x, residual = add_norm(ops, h, self.input_layernorm, self.eps, residual)
-    a = self.self_attn(ops, x, cos, sin, kv_cache, meta)
-    x, residual = ops.rms_norm(a, self.post_attention_layernorm, self.eps, residual)
-    return self.mlp(ops, x), residual
+    return _LAYER_FORWARD(self, ops, h, *args)
