@@ -11,6 +11,7 @@ most any fusion of them could save. Probes change only speed (the tokens stay th
 samebits.ops.triton.attention:_merge_scan_kernel=$A.noop_kernel" \
         --variant "o_proj BN32" "samebits.ops.triton.linear_tiles:pick_config=$A.gemv_tile(32)" \
         --variant "gate/up BN16" "samebits.ops.triton.moe:pick_config=$A.expert_tiles(16, 64)" \
+        --variant "no down preload" "samebits.ops.triton.moe:pick_config=$A.expert_tiles(32, 64, preload=0)" \
         --variant "o_proj weights into L2 during attention" \
             "samebits.models.llama:Attention.forward=$A.attention_prefetching;\
 decode_ablations:PREFETCH=$A.modes(False, None)"
@@ -77,13 +78,16 @@ def gemv_tile(block_n: int, block_k: int = 256, stages: int = 4):
     return pick
 
 
-def expert_tiles(gated_n: int, down_n: int, block_k: int = 128, stages: int = 4):
-    """moe's ``pick_config`` with other decode tiles (gate/up, down)."""
+def expert_tiles(gated_n: int, down_n: int, block_k: int = 256, stages: int = 3,
+                 preload: int = 2, warps: int = 4):
+    """moe's ``pick_config`` with other decode tiles (gate/up, down: ``preload`` of the down
+    GEMM's K tiles loaded before its wait, 0-3); the defaults are the batch-1 tiles'."""
     base = triton_moe.pick_config
 
     def pick(a, e, dtype, gated):
         if dtype != torch.float32 and a / max(1, min(a, e)) <= 16:
-            return triton_moe.MoeGemmConfig(16, gated_n if gated else down_n, block_k, 4, stages)
+            return triton_moe.MoeGemmConfig(16, gated_n if gated else down_n, block_k, warps,
+                                            stages, 0 if gated else preload)
         return base(a, e, dtype, gated)
     return pick
 

@@ -134,8 +134,8 @@ def test_expert_bits_do_not_depend_on_the_tile(layer, monkeypatch):
     w, ids = triton_moe.route(logits[:96], TOP_K, True, True)
     want = triton_moe.fused_experts(x[:96], w13, w2, w, None, None, ids=ids)
     for cfg in [triton_moe.MoeGemmConfig(*c) for c in
-                [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4),
-                 (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]]:
+                [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 64, 256, 4, 3, 2),
+                 (32, 64, 128, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]]:
         monkeypatch.setattr(triton_moe, "pick_config", lambda *args, c=cfg: c)
         assert torch.equal(triton_moe.fused_experts(x[:96], w13, w2, w, None, None, ids=ids),
                            want), cfg
@@ -167,3 +167,43 @@ def test_route_kernel_picks_the_cpu_definitions_experts(layer):
     ids = triton_moe.route(logits, TOP_K, True, True)[1]
     want = ops_moe.topk_lowest_id(torch.softmax(logits.float().cpu(), -1), TOP_K)[1]
     assert (ids.cpu() != want).any(1).float().mean() < 0.01  # softmax last-bit ties aside
+
+
+def test_preloading_down_gemm_in_a_graph_reads_this_layers_experts(layer):
+    """Batch 1-4 (one block an assignment) in a CUDA graph with programmatic launch: the down
+    GEMM's programs read the ids and their first weight tiles before their wait, while the gate/up
+    GEMM runs. Three layers in a row (each routing into memory the graph pool may reuse), then
+    the graph replayed on other tokens: every layer's rows equal the eager launches'. The check
+    can fail: consecutive layers route to other experts, and one layer's outputs through the
+    next layer's experts differ."""
+    from samebits.ops.triton import launcher
+    from samebits.ops.triton import moe as triton_moe
+    x, w13, w2, logits = layer
+    assert triton_moe.pick_config(3 * TOP_K, E, x.dtype, False).preload > 0
+    x_in, l_in = x[:3].clone(), logits[:3].clone()
+
+    def layers() -> list[torch.Tensor]:
+        outs, h = [], x_in
+        for i in range(3):  # the logits of layer i: rolled, so each layer routes elsewhere
+            w, ids = triton_moe.route(l_in.roll(37 * i, 1), TOP_K, True, True)
+            h = triton_moe.fused_experts(h, w13, w2, w, None, None, ids=ids)
+            outs.append(h)
+        return outs
+
+    with launcher.as_captured():
+        layers()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), launcher.as_captured():
+        captured = layers()
+    for rows in (slice(3, 6), slice(40, 43)):
+        x_in.copy_(x[rows])
+        l_in.copy_(logits[rows])
+        g.replay()
+        eager = layers()
+        for got, want in zip(captured, eager, strict=True):
+            assert torch.equal(got, want), rows
+    w0, ids0 = triton_moe.route(l_in, TOP_K, True, True)
+    w1, ids1 = triton_moe.route(l_in.roll(37, 1), TOP_K, True, True)
+    assert not torch.equal(ids0, ids1)
+    assert not torch.equal(triton_moe.fused_experts(x_in, w13, w2, w0, None, None, ids=ids1),
+                           triton_moe.fused_experts(x_in, w13, w2, w0, None, None, ids=ids0))

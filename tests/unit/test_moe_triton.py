@@ -85,8 +85,10 @@ def test_experts_alone_equal_batched_under_any_tile_and_close_to_cpu(dtype, monk
         assert torch.equal(_experts(x[i:i + 1], w13, w2, w[i:i + 1], ids[i:i + 1]), full[i:i + 1])
     monkeypatch.setattr(M, "DIRECT_MAX", 0)  # the aligned layout instead of one per block
     assert torch.equal(_experts(x, w13, w2, w, ids), full)
-    other = M.MoeGemmConfig(32, 16, 16, 4, 2)
-    assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch), full)
+    for other in (M.MoeGemmConfig(32, 16, 16, 4, 2), M.MoeGemmConfig(16, 16, 16, 4, 2, 2),
+                  M.MoeGemmConfig(16, 16, 8, 4, 2, 3)):
+        assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch),
+                           full)  # other tiles; the down GEMM's first tiles preloaded
     ref = ops_moe.experts_cpu(x.float(), w13.float(), w2.float(), w, None, None, ids=ids)
     assert torch.allclose(full.float(), ref, atol=2e-3 if dtype == torch.float16 else 1e-6)
 

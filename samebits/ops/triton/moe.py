@@ -16,15 +16,16 @@ the batch (CUDA graphs capture them):
    tokens over ascending K, then ``silu(gate) * up`` with ``activation.py``'s bits. At decode a
    block holds an expert's few tokens: each program reads its expert's weight tile once (a
    GEMV on the tensor cores); at prefill blocks tile the sorted tokens.
-4. the same kernel, not gated: ``y[a] = act[a] @ w2[e].T``.
+4. the same kernel, not gated: ``y[a] = act[a] @ w2[e].T``. At batch <= 4 its programs start
+   while the gate/up GEMM runs and load their first two weight tiles then (``preload``).
 5. ``_combine_kernel``, per token: ``acc = w_0 y_0``, ``acc += w_j y_j`` in rank order, ``+ scale
    * shared``, in fp32 without contraction (the bits of ``samebits.ops.moe.combine_ordered``
    over torch's CUDA ops), cast once.
 
-Invariance: every element of y is ``tl.dot`` over ascending K from zero, the K order fixed by K
-and BLOCK_K alone, so a token's bits depend on its row and its expert's weights -- not on how
-many tokens share the expert, the block it lands in, or BLOCK_M / BLOCK_N (which follow the
-batch for speed: on Hopper the tile shape does not change a dot's bits, as for ``linear.py``;
+Invariance: every element of y is ``tl.dot`` over ascending K from zero, so a token's bits depend
+on its row and its expert's weights -- not on how many tokens share the expert, the block it
+lands in, or the tile and its K steps (which follow the batch for speed: on Hopper the tile
+shape does not change a dot's bits, as for ``linear.py``;
 tests/gpu/test_moe_gpu.py checks it, and that an expert's output is the bits of the engine's
 ``linear`` / ``silu_mul`` / ``linear`` on that token).
 
@@ -58,6 +59,11 @@ class MoeGemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    preload: int = 0  # the down GEMM's first K tiles loaded before its wait (0-3; moe_gemm)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.preload <= 3:
+            raise ValueError(f"preload takes 0-3 K tiles, got {self}")
 
 
 def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool
@@ -68,6 +74,10 @@ def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool
     if dtype == torch.float32:  # FMA dots: small tiles
         return MoeGemmConfig(16, 32, 32, 4, 2)
     per_expert = assignments / max(1, min(assignments, experts))
+    if assignments <= DIRECT_MAX:  # one block an assignment: the down GEMM's first two K tiles
+        # load during the gate/up GEMM (H100, Qwen3-30B-A3B batch-1 step: 0.945x the time of
+        # 128-column K tiles without a preload; benchmarks/RESULTS.md)
+        return MoeGemmConfig(16, 32 if gated else 64, 256, 4, 3, preload=0 if gated else 2)
     if per_expert <= 16:  # decode: one block per expert, a GEMV over its weight tiles
         return MoeGemmConfig(16, 32 if gated else 64, 128, 4, 4)
     if per_expert <= 64:
@@ -193,18 +203,49 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 
 # ---- 3, 4. grouped GEMM -----------------------------------------------------------------------
 @triton.jit
+def _preloaded_dots(x_ptrs, w_ptrs, row_ok, acc, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """The first PRELOAD (1-3) K steps: their weight tiles loaded into registers, then the wait
+    for the inputs, then the dots in ascending K (the loop's order, so the loop's bits)."""
+    b0 = tl.load(w_ptrs)
+    b1 = b0
+    b2 = b0
+    if PRELOAD > 1:
+        b1 = tl.load(w_ptrs + BLOCK_K)
+    if PRELOAD > 2:
+        b2 = tl.load(w_ptrs + 2 * BLOCK_K)
+    wait_for_inputs(PDL)
+    acc = tl.dot(tl.load(x_ptrs, mask=row_ok, other=0.0), b0, acc, input_precision=PRECISION)
+    if PRELOAD > 1:
+        a = tl.load(x_ptrs + BLOCK_K, mask=row_ok, other=0.0)
+        acc = tl.dot(a, b1, acc, input_precision=PRECISION)
+    if PRELOAD > 2:
+        a = tl.load(x_ptrs + 2 * BLOCK_K, mask=row_ok, other=0.0)
+        acc = tl.dot(a, b2, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, stride_xm, stride_we,
                      stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ACCURATE: tl.constexpr,
-                     DIRECT: tl.constexpr, PDL: tl.constexpr):
+                     DIRECT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """GATED: out[a, n] = silu(x[a // k] . w[e, n]) * (x[a // k] . w[e, N + n]) (N = I);
     else out[a, n] = x[a] . w[e, n]. Invariance: an element depends on its input row and
     expert alone (one ascending-K dot from zero).
 
     DIRECT: no layout (``sorted_ptr`` unread): block b holds assignment b alone. An expert id
-    E (held by another rank) computes nothing."""
-    wait_for_inputs(PDL)
+    E (held by another rank) computes nothing.
+
+    PRELOAD > 0 (EVEN_K, K >= PRELOAD BLOCK_K): the layout, the ids and the first PRELOAD weight
+    tiles are read before the wait, into registers, while the previous kernel runs. The caller
+    guarantees that the previous kernel does not write the layout or the ids (the down GEMM: they
+    are the route's and the align's, written before the gate/up GEMM), so they were written by a
+    kernel that had finished before this one started; they are read from L2 (``.cg``), the point
+    of coherence. Weights are no kernel's output. The dots run in the same order: the same bits."""
+    if PRELOAD == 0:
+        wait_for_inputs(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     block = pid // n_tiles
@@ -212,11 +253,11 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, str
         first = block
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, A)
     else:
-        first = tl.load(sorted_ptr + block * BLOCK_M)
+        first = tl.load(sorted_ptr + block * BLOCK_M, cache_modifier=".cg")
         if first >= A:  # a padding block: this batch routed fewer
             return
-        rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    expert = tl.load(ids_ptr + first).to(tl.int64)
+        rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+    expert = tl.load(ids_ptr + first, cache_modifier=".cg").to(tl.int64)
     if expert >= E:
         return
     valid = rows < A
@@ -230,14 +271,19 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, str
     x_ptrs = x_ptr + src[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + (cols % N).to(tl.int64)[None, :] * stride_wn \
         + offs_k[:, None]
+    row_ok = valid[:, None]  # padding rows load nothing (their outputs are never stored)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    if PRELOAD > 0:  # the wait is in here (the docstring)
+        acc = _preloaded_dots(x_ptrs, w_ptrs, row_ok, acc, PDL, PRELOAD, BLOCK_K, PRECISION)
+        x_ptrs += PRELOAD * BLOCK_K
+        w_ptrs += PRELOAD * BLOCK_K
+    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(x_ptrs)
+            a = tl.load(x_ptrs, mask=row_ok, other=0.0)
             b = tl.load(w_ptrs)
         else:
-            a = tl.load(x_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0)
+            a = tl.load(x_ptrs, mask=((k + offs_k)[None, :] < K) & row_ok, other=0.0)
             b = tl.load(w_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
@@ -270,14 +316,26 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     ``out`` [A, N]. ``sorted_ids`` None: one block per assignment (``DIRECT``)."""
     n, k = out.shape[1], x.shape[1]
     direct, pdl = sorted_ids is None, programmatic(out)
+    cfg = _even_block_k(cfg, k)
+    preload = cfg.preload if not gated and k % cfg.block_k == 0 and k >= cfg.preload * cfg.block_k \
+        else 0
     blocks = flat_ids.numel() if direct else sorted_ids.numel() // cfg.block_m
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
         x, w, out, flat_ids if direct else sorted_ids, flat_ids, flat_ids.numel(), w.shape[0], n, k,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
-        DIRECT=direct, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
+        DIRECT=direct, PDL=pdl, PRELOAD=preload, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
+
+
+def _even_block_k(cfg: MoeGemmConfig, k: int) -> MoeGemmConfig:
+    """``cfg`` with the largest BLOCK_K down to 32 that divides K (unmasked, vectorized loads);
+    ``cfg`` if none does. BLOCK_K does not change a bit (the module docstring)."""
+    block_k = cfg.block_k
+    while k % block_k and block_k > 32:
+        block_k //= 2
+    return dataclasses.replace(cfg, block_k=block_k) if k % block_k == 0 else cfg
 
 
 # ---- 5. combine -----------------------------------------------------------------------------
