@@ -199,7 +199,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             q, k_desc, v_desc, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,
             q.stride(0), q.stride(1), bt.stride(0), hq * p.dec_max_splits, p.dec_max_splits,
             k_cache.shape[0] * meta.block_size, c, G=hq // hkv, ROWS=rows, D=d, BLOCK_N=128,
-            num_warps=4, enable_fp_fusion=False)
+            num_warps=4, enable_fp_fusion=False, **pdl)
     else:
         _split_kernel[(n_dec, hkv, p.dec_max_splits)](
             q, k_cache, v_cache, bt, p.dec_seq, p.dec_pos, p.dec_row, part_acc, part_ml,

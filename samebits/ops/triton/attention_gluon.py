@@ -30,6 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait
+
 
 @gluon.jit
 def _load_block(desc, smem, bar, bt_row, jb, max_p, num_slots, col):
@@ -214,11 +216,15 @@ def _prefill_gluon_kernel(q_desc, k_desc, v_desc, bt_ptr, tiles_ptr, out_ptr, st
 def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr, part_acc,
                         part_ml, stride_qt, stride_qh, stride_bt, stride_pt, stride_ph,
                         num_slots, c, G: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
-                        BLOCK_N: gl.constexpr):
+                        BLOCK_N: gl.constexpr, PDL: gl.constexpr):
     """``_split_kernel``'s partial (TRANS products, a split of one BLOCK_N-key block) for the G
     query heads of token ``program_id(0)``, kv head ``program_id(1)``, split ``program_id(2)``:
     K and V arrive by TMA page by page while q is staged, ``sT = K q^T``, ``accT = V^T p^T``
-    and ``lsT = ones p^T`` on the tensor cores, the elementwise steps ``_split_partial_t``'s."""
+    and ``lsT = ones p^T`` on the tensor cores, the elementwise steps ``_split_partial_t``'s.
+    PDL (launched with ``launch_pdl``): the step's metadata (positions, rows, block table) is
+    read and shared memory set up before waiting for the previous kernel (the rope kernel,
+    which writes q and the new K / V): the metadata is written, if by a kernel at all, before
+    that kernel started -- and this one starts only once that kernel has passed its own wait."""
     j = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
@@ -237,6 +243,9 @@ def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr
     fence_async_shared()
     gl.thread_barrier()
     bt_row = bt_ptr + b * stride_bt
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     _load_block(k_desc, k_smem, bar.index(0), bt_row, split, pos, num_slots, h * D)
     _load_block(v_desc, v_smem, bar.index(1), bt_row, split, pos, num_slots, h * D)
 
