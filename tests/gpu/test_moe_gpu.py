@@ -179,7 +179,10 @@ def test_preloading_down_gemm_in_a_graph_reads_this_layers_experts(layer):
     from samebits.ops.triton import launcher
     from samebits.ops.triton import moe as triton_moe
     x, w13, w2, logits = layer
-    assert triton_moe.pick_config(3 * TOP_K, E, x.dtype, False).preload > 0
+    cfg = triton_moe.pick_config(3 * TOP_K, E, x.dtype, False)  # the tile moe_gemm takes
+    assert cfg.preload and INTER % cfg.block_k == 0 and INTER >= cfg.preload * cfg.block_k
+    with launcher.as_captured():
+        assert launcher.programmatic(x)
     x_in, l_in = x[:3].clone(), logits[:3].clone()
 
     def layers() -> list[torch.Tensor]:

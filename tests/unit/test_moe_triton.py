@@ -83,12 +83,15 @@ def test_experts_alone_equal_batched_under_any_tile_and_close_to_cpu(dtype, monk
     full = _experts(x, w13, w2, w, ids)
     for i in range(6):
         assert torch.equal(_experts(x[i:i + 1], w13, w2, w[i:i + 1], ids[i:i + 1]), full[i:i + 1])
+    preloads = (M.MoeGemmConfig(16, 16, 16, 4, 2, 1), M.MoeGemmConfig(16, 16, 8, 4, 2, 2))
+    for other in preloads:  # one block an assignment, the down GEMM's first K tiles preloaded
+        assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch),
+                           full)
     monkeypatch.setattr(M, "DIRECT_MAX", 0)  # the aligned layout instead of one per block
     assert torch.equal(_experts(x, w13, w2, w, ids), full)
-    for other in (M.MoeGemmConfig(32, 16, 16, 4, 2), M.MoeGemmConfig(16, 16, 16, 4, 2, 2),
-                  M.MoeGemmConfig(16, 16, 8, 4, 2, 3)):
+    for other in (M.MoeGemmConfig(32, 16, 16, 4, 2), *preloads):
         assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch),
-                           full)  # other tiles; the down GEMM's first tiles preloaded
+                           full)
     ref = ops_moe.experts_cpu(x.float(), w13.float(), w2.float(), w, None, None, ids=ids)
     assert torch.allclose(full.float(), ref, atol=2e-3 if dtype == torch.float16 else 1e-6)
 

@@ -221,10 +221,11 @@ def _split_gluon_kernel(q_ptr, k_desc, v_desc, bt_ptr, seq_ptr, pos_ptr, row_ptr
     query heads of token ``program_id(0)``, kv head ``program_id(1)``, split ``program_id(2)``:
     K and V arrive by TMA page by page while q is staged, ``sT = K q^T``, ``accT = V^T p^T``
     and ``lsT = ones p^T`` on the tensor cores, the elementwise steps ``_split_partial_t``'s.
-    PDL (launched with ``launch_pdl``): the step's metadata (positions, rows, block table) is
-    read and shared memory set up before waiting for the previous kernel (the rope kernel,
-    which writes q and the new K / V): the metadata is written, if by a kernel at all, before
-    that kernel started -- and this one starts only once that kernel has passed its own wait."""
+    PDL (launched with ``launch_pdl``): the step's positions and rows are read and shared
+    memory set up before waiting for the previous kernel (the rope kernel, which writes q and
+    the new K / V): the metadata is copied in before the step's first kernel, so it is final
+    once this kernel starts. Split 0 of every token always waits, so this kernel ends after the
+    previous one even where later splits return early."""
     j = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)

@@ -54,8 +54,10 @@ def wait_for_inputs(PDL: tl.constexpr):
     """First statement of a kernel launched with ``launch_pdl=PDL``: wait until the previous
     kernel in the stream has finished and its writes are visible, then let the next kernel
     launch. The next kernel's programs then start (and get resident) while this one runs, and
-    wait at this same statement before they read or write any tensor. Nothing is read or written
-    before the wait, so the order of every load and store in the stream stays the stream's."""
+    wait at this same statement before they read or write any tensor another kernel may still
+    write. Before the wait a kernel reads only what is final once it starts: weights, and
+    tensors written before the previous kernel started (the step's metadata; the MoE down GEMM's
+    expert ids). So every load and store sees the stream's order."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -16,8 +16,9 @@ the batch (CUDA graphs capture them):
    tokens over ascending K, then ``silu(gate) * up`` with ``activation.py``'s bits. At decode a
    block holds an expert's few tokens: each program reads its expert's weight tile once (a
    GEMV on the tensor cores); at prefill blocks tile the sorted tokens.
-4. the same kernel, not gated: ``y[a] = act[a] @ w2[e].T``. At batch <= 4 its programs start
-   while the gate/up GEMM runs and load their first two weight tiles then (``preload``).
+4. the same kernel, not gated: ``y[a] = act[a] @ w2[e].T``. On Hopper, up to ``DIRECT_MAX``
+   assignments, its programs start while the gate/up GEMM runs and load their first two weight
+   tiles then (``preload``).
 5. ``_combine_kernel``, per token: ``acc = w_0 y_0``, ``acc += w_j y_j`` in rank order, ``+ scale
    * shared``, in fp32 without contraction (the bits of ``samebits.ops.moe.combine_ordered``
    over torch's CUDA ops), cast once.
@@ -37,6 +38,7 @@ layout and no program in the GEMMs. The model gathers every rank's y, then ``com
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -59,24 +61,25 @@ class MoeGemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    preload: int = 0  # the down GEMM's first K tiles loaded before its wait (0-3; moe_gemm)
+    preload: int = 0  # the down GEMM's first K tiles loaded before its wait (0-2; moe_gemm)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.preload <= 3:
-            raise ValueError(f"preload takes 0-3 K tiles, got {self}")
+        if not 0 <= self.preload <= 2:
+            raise ValueError(f"preload takes 0-2 K tiles, got {self}")
 
 
-def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool
-                ) -> MoeGemmConfig:
+def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool,
+                hopper: bool = True) -> MoeGemmConfig:
     """Tiles from the mean tokens per routed expert (free to vary: they do not change bits).
     ``gated`` (gate and up, two accumulators, N = I): narrower N tiles, so a decode step's few
-    experts still spread over every SM."""
+    experts still spread over every SM. ``hopper``: the device has Hopper's shared memory and
+    programmatic launch (the one-block-an-assignment tiles need both)."""
     if dtype == torch.float32:  # FMA dots: small tiles
         return MoeGemmConfig(16, 32, 32, 4, 2)
     per_expert = assignments / max(1, min(assignments, experts))
-    if assignments <= DIRECT_MAX:  # one block an assignment: the down GEMM's first two K tiles
-        # load during the gate/up GEMM (H100, Qwen3-30B-A3B batch-1 step: 0.945x the time of
-        # 128-column K tiles without a preload; benchmarks/RESULTS.md)
+    if assignments <= DIRECT_MAX and hopper:  # one block an assignment: the down GEMM's first
+        # two K tiles load while the gate/up GEMM runs (the fastest at batch 1 on an H100,
+        # benchmarks/RESULTS.md)
         return MoeGemmConfig(16, 32 if gated else 64, 256, 4, 3, preload=0 if gated else 2)
     if per_expert <= 16:  # decode: one block per expert, a GEMV over its weight tiles
         return MoeGemmConfig(16, 32 if gated else 64, 128, 4, 4)
@@ -205,23 +208,17 @@ def _align_torch(flat: torch.Tensor, experts: int, block_m: int, out: torch.Tens
 @triton.jit
 def _preloaded_dots(x_ptrs, w_ptrs, row_ok, acc, PDL: tl.constexpr, PRELOAD: tl.constexpr,
                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """The first PRELOAD (1-3) K steps: their weight tiles loaded into registers, then the wait
+    """The first PRELOAD (1 or 2) K steps: their weight tiles loaded into registers, then the wait
     for the inputs, then the dots in ascending K (the loop's order, so the loop's bits)."""
     b0 = tl.load(w_ptrs)
     b1 = b0
-    b2 = b0
     if PRELOAD > 1:
         b1 = tl.load(w_ptrs + BLOCK_K)
-    if PRELOAD > 2:
-        b2 = tl.load(w_ptrs + 2 * BLOCK_K)
     wait_for_inputs(PDL)
     acc = tl.dot(tl.load(x_ptrs, mask=row_ok, other=0.0), b0, acc, input_precision=PRECISION)
     if PRELOAD > 1:
         a = tl.load(x_ptrs + BLOCK_K, mask=row_ok, other=0.0)
         acc = tl.dot(a, b1, acc, input_precision=PRECISION)
-    if PRELOAD > 2:
-        a = tl.load(x_ptrs + 2 * BLOCK_K, mask=row_ok, other=0.0)
-        acc = tl.dot(a, b2, acc, input_precision=PRECISION)
     return acc
 
 
@@ -238,12 +235,14 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, str
     DIRECT: no layout (``sorted_ptr`` unread): block b holds assignment b alone. An expert id
     E (held by another rank) computes nothing.
 
-    PRELOAD > 0 (EVEN_K, K >= PRELOAD BLOCK_K): the layout, the ids and the first PRELOAD weight
-    tiles are read before the wait, into registers, while the previous kernel runs. The caller
-    guarantees that the previous kernel does not write the layout or the ids (the down GEMM: they
-    are the route's and the align's, written before the gate/up GEMM), so they were written by a
-    kernel that had finished before this one started; they are read from L2 (``.cg``), the point
-    of coherence. Weights are no kernel's output. The dots run in the same order: the same bits."""
+    PRELOAD > 0 (not GATED, EVEN_K, K >= PRELOAD BLOCK_K): the layout, the ids and the first
+    PRELOAD weight tiles are read before the wait, into registers, while the previous kernel
+    runs. The caller guarantees that the previous kernel does not write the layout or the ids
+    (the down GEMM: they are the route's and the align's, written before the gate/up GEMM
+    started, hence final once this kernel starts; read with ``.cg``, from L2). Weights are no
+    kernel's output. The dots run in the same order: the same bits. A program with nothing to
+    compute still waits before it returns, so this kernel ends after the previous one."""
+    tl.static_assert(PRELOAD == 0 or (EVEN_K and not GATED))
     if PRELOAD == 0:
         wait_for_inputs(PDL)
     pid = tl.program_id(0)
@@ -255,10 +254,14 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, str
     else:
         first = tl.load(sorted_ptr + block * BLOCK_M, cache_modifier=".cg")
         if first >= A:  # a padding block: this batch routed fewer
+            if PRELOAD > 0:
+                wait_for_inputs(PDL)
             return
         rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
     expert = tl.load(ids_ptr + first, cache_modifier=".cg").to(tl.int64)
     if expert >= E:
+        if PRELOAD > 0:
+            wait_for_inputs(PDL)
         return
     valid = rows < A
     if GATED:  # gate / up read the token's hidden state
@@ -391,8 +394,9 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: t
     x = _unit_stride(x)
     w13, w2 = _unit_stride(w13), _unit_stride(w2)
     spread = total or experts
-    up_cfg, down_cfg = pick_config(a, spread, x.dtype, True), pick_config(a, spread, x.dtype,
-                                                                          False)
+    hopper = x.is_cuda and _hopper(x.get_device())
+    up_cfg = pick_config(a, spread, x.dtype, True, hopper)
+    down_cfg = pick_config(a, spread, x.dtype, False, hopper)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
     sorted_ids = None if a <= DIRECT_MAX else align(flat, experts, up_cfg.block_m)
     act = torch.empty(a, w2.shape[2], dtype=x.dtype, device=x.device)
@@ -409,6 +413,11 @@ def combined(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     if t:
         combine(y, weights.float().contiguous(), shared, scale, out)
     return out
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
