@@ -84,11 +84,11 @@ def expert_tiles(gated_n: int, down_n: int, block_k: int = 256, stages: int = 3,
     GEMM's K tiles loaded before its wait, 0-3); the defaults are the batch-1 tiles'."""
     base = triton_moe.pick_config
 
-    def pick(a, e, dtype, gated):
+    def pick(a, e, dtype, gated, hopper=True):
         if dtype != torch.float32 and a / max(1, min(a, e)) <= 16:
             return triton_moe.MoeGemmConfig(16, gated_n if gated else down_n, block_k, warps,
                                             stages, 0 if gated else preload)
-        return base(a, e, dtype, gated)
+        return base(a, e, dtype, gated, hopper)
     return pick
 
 
