@@ -81,7 +81,7 @@ def gemv_tile(block_n: int, block_k: int = 256, stages: int = 4):
 def expert_tiles(gated_n: int, down_n: int, block_k: int = 256, stages: int = 3,
                  preload: int = 2, warps: int = 4):
     """moe's ``pick_config`` with other decode tiles (gate/up, down: ``preload`` of the down
-    GEMM's K tiles loaded before its wait, 0-3); the defaults are the batch-1 tiles'."""
+    GEMM's K tiles loaded before its wait, 0-2); the defaults are the batch-1 tiles'."""
     base = triton_moe.pick_config
 
     def pick(a, e, dtype, gated, hopper=True):

@@ -87,6 +87,7 @@ def test_experts_alone_equal_batched_under_any_tile_and_close_to_cpu(dtype, monk
     for other in preloads:  # one block an assignment, the down GEMM's first K tiles preloaded
         assert torch.equal(_experts(x, w13, w2, w, ids, cfg=other, monkeypatch=monkeypatch),
                            full)
+    monkeypatch.undo()  # the default tiles again
     monkeypatch.setattr(M, "DIRECT_MAX", 0)  # the aligned layout instead of one per block
     assert torch.equal(_experts(x, w13, w2, w, ids), full)
     for other in (M.MoeGemmConfig(32, 16, 16, 4, 2), *preloads):
@@ -125,14 +126,18 @@ def test_combine_with_shared_expert_is_torchs_formula_bitwise():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("preload", [0, 1])  # the down GEMM's first K tile before its wait
 @pytest.mark.parametrize("direct_max", [M.DIRECT_MAX, 0])  # one block per assignment; aligned
-def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direct_max,
+def test_a_ranks_held_experts_give_the_one_device_rows_and_skip_the_others(direct_max, preload,
                                                                             monkeypatch):
     """Expert parallel: each half of the experts (ids shifted by its first) computes exactly the
     rows of the assignments routed to it, bit for bit the one-device experts' rows, and no
     program writes another rank's rows -- also where it holds none of them, or where the batch
     is empty; the align layouts agree (kernel and torch paths)."""
     monkeypatch.setattr(M, "DIRECT_MAX", direct_max)
+    if preload:  # programs that skip another rank's expert return before the loop
+        cfg = M.MoeGemmConfig(16, 16, 16, 4, 2, preload)
+        monkeypatch.setattr(M, "pick_config", lambda *args: cfg)
     x, w13, w2, logits = _inputs(9, torch.float32, seed=4)
     ids = M.route(logits, K, False, False)[1]
     low = ids % (E // 2)  # every assignment on the first half: the second holds none
