@@ -16,37 +16,28 @@ at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from samebits.ops.backend import get_backend, row_parallel_bounds
-from samebits.ops.triton import moe as triton_moe
-from samebits.ops.triton.launcher import as_captured
-from samebits.tools.roofline import copy_bandwidth
+sys.path.insert(0, str(Path(__file__).parent))
+import graph_timer  # noqa: E402
+
+from samebits.ops.backend import get_backend, row_parallel_bounds  # noqa: E402
+from samebits.ops.triton import moe as triton_moe  # noqa: E402
+from samebits.tools.roofline import copy_bandwidth  # noqa: E402
 
 CALLS, COPIES = 16, 6
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, INTER, TOP_K = 2048, 32, 4, 128, 128, 768, 8
 
 
-def graph_us(calls) -> float:
-    """Microseconds per call of ``calls`` (a list of CALLS closures), replayed from one graph."""
-    with as_captured():
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), as_captured():
-        for call in calls:
-            call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    for _ in range(20):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 20 / len(calls)
+def graph_us(calls: list) -> float:
+    """Microseconds per call of ``calls`` (CALLS closures) replayed from one captured graph."""
+    cycle = itertools.cycle(calls)
+    return graph_timer.graph_us(lambda: next(cycle)(), reps=len(calls), captured=True)
 
 
 def dense(name: str, k: int, n: int, chains: int | None) -> tuple[str, int, list, list]:

@@ -71,7 +71,13 @@ def programmatic(t: torch.Tensor) -> bool:
     eager caller's pace is set by the host's launch cost, an eager PDL launch after a graph replay
     measured slower (H100), and a capture outside ``as_captured`` then launches the variants its
     eager warm-up compiled. One ContextVar read per launch, no driver call."""
-    return _AS_CAPTURED.get() and t.is_cuda and _programmatic_device(t.get_device())
+    return _AS_CAPTURED.get() and programmatic_device(t)
+
+
+def programmatic_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device launches with programmatic dependent launch under ``as_captured``
+    (tile policies that pay only then ask this)."""
+    return t.is_cuda and _programmatic_device(t.get_device())
 
 
 _AS_CAPTURED = contextvars.ContextVar("as_captured", default=False)

@@ -38,7 +38,6 @@ layout and no program in the GEMMs. The model gathers every rank's y, then ``com
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -46,7 +45,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from samebits.ops.triton.activation import ACCURATE_EXP, FP_FUSION
-from samebits.ops.triton.launcher import programmatic, wait_for_inputs
+from samebits.ops.triton.launcher import programmatic, programmatic_device, wait_for_inputs
 
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
@@ -72,8 +71,9 @@ def pick_config(assignments: int, experts: int, dtype: torch.dtype, gated: bool,
                 hopper: bool = True) -> MoeGemmConfig:
     """Tiles from the mean tokens per routed expert (free to vary: they do not change bits).
     ``gated`` (gate and up, two accumulators, N = I): narrower N tiles, so a decode step's few
-    experts still spread over every SM. ``hopper``: the device has Hopper's shared memory and
-    programmatic launch (the one-block-an-assignment tiles need both)."""
+    experts still spread over every SM. ``hopper``: the device launches with programmatic
+    dependent launch (Hopper; ``launcher.programmatic_device``), which the one-block-an-assignment
+    tiles' preload needs."""
     if dtype == torch.float32:  # FMA dots: small tiles
         return MoeGemmConfig(16, 32, 32, 4, 2)
     per_expert = assignments / max(1, min(assignments, experts))
@@ -251,14 +251,10 @@ def _moe_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, ids_ptr, A, E, N, K, str
     if DIRECT:
         first = block
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, A)
-    else:
+    else:  # a padding block (first >= A: this batch routed fewer) takes expert E
         first = tl.load(sorted_ptr + block * BLOCK_M, cache_modifier=".cg")
-        if first >= A:  # a padding block: this batch routed fewer
-            if PRELOAD > 0:
-                wait_for_inputs(PDL)
-            return
         rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
-    expert = tl.load(ids_ptr + first, cache_modifier=".cg").to(tl.int64)
+    expert = tl.load(ids_ptr + first, mask=first < A, other=E, cache_modifier=".cg").to(tl.int64)
     if expert >= E:
         if PRELOAD > 0:
             wait_for_inputs(PDL)
@@ -320,13 +316,13 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     n, k = out.shape[1], x.shape[1]
     direct, pdl = sorted_ids is None, programmatic(out)
     cfg = _even_block_k(cfg, k)
-    preload = cfg.preload if not gated and k % cfg.block_k == 0 and k >= cfg.preload * cfg.block_k \
-        else 0
+    even_k = k % cfg.block_k == 0
+    preload = cfg.preload if not gated and even_k and k >= cfg.preload * cfg.block_k else 0
     blocks = flat_ids.numel() if direct else sorted_ids.numel() // cfg.block_m
     _moe_gemm_kernel[(blocks * triton.cdiv(n, cfg.block_n),)](
         x, w, out, flat_ids if direct else sorted_ids, flat_ids, flat_ids.numel(), w.shape[0], n, k,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACCURATE=ACCURATE_EXP,
         DIRECT=direct, PDL=pdl, PRELOAD=preload, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION, launch_pdl=pdl, **_NO_FTZ)
@@ -394,7 +390,7 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat: t
     x = _unit_stride(x)
     w13, w2 = _unit_stride(w13), _unit_stride(w2)
     spread = total or experts
-    hopper = x.is_cuda and _hopper(x.get_device())
+    hopper = programmatic_device(x)
     up_cfg = pick_config(a, spread, x.dtype, True, hopper)
     down_cfg = pick_config(a, spread, x.dtype, False, hopper)
     assert up_cfg.block_m == down_cfg.block_m  # one layout serves both GEMMs
@@ -413,11 +409,6 @@ def combined(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     if t:
         combine(y, weights.float().contiguous(), shared, scale, out)
     return out
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
