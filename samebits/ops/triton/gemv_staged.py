@@ -1,0 +1,138 @@
+"""A batch-1 GEMV whose weights are staged in shared memory before its input exists (Hopper, Gluon).
+
+Inside a decode step's CUDA graph every kernel is launched with programmatic dependent launch:
+its programs start once the previous kernel's programs have passed their own wait, and wait for
+that kernel's end at ``griddepcontrol.wait``. A program here issues the TMA loads of its first
+STAGES weight tiles before that wait -- weights are no kernel's output -- so HBM streams them
+while the previous kernel (a norm, the attention merge) runs; after the wait it stages the input
+rows (a few rows, all of its K segment) in shared memory and runs ``warpgroup_mma`` with the
+weight tile as the 64-row A operand and the input's transpose as the B operand (``out^T = W
+x^T``), refilling each stage as its product completes.
+
+Bits: ``out[m, n]`` is the fp32 sum over ascending K in the tensor cores' 16-element steps from
+zero, as in linear_kernels.py's kernels (the tile and operand order do not change a Hopper dot's
+bits; tests/gpu/test_gemv_staged_gpu.py checks it against ``linear``), then the bias in fp32 and
+one cast; with ``partials`` the fp32 sum of each K segment, as ``linear_partials``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait, programmatic
+
+# Gluon's names moved between Triton 3.6 (the GPU machine's) and 3.9
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BLOCK_N, BLOCK_K, STAGES, ROWS = 64, 256, 4, 16
+SMEM_BYTES = 226 * 1024
+
+
+@gluon.jit
+def _stage(w_desc, w_smem, ready, n0, k, s):
+    mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+    _tma_load(w_desc, [n0, k], ready.index(s), w_smem.index(s))
+
+
+@gluon.jit
+def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, stride_om,
+                        stride_ps, HAS_BIAS: gl.constexpr, K_STEPS: gl.constexpr,
+                        STAGES: gl.constexpr, ROWS: gl.constexpr, PDL: gl.constexpr):
+    """Program (n-tile ``program_id(0)``, K segment ``program_id(1)``): rows [n0, n0 + BLOCK_N)
+    of out^T over columns [seg K_SEG, (seg + 1) K_SEG) of x's first M rows (M <= ROWS)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    dtype: gl.constexpr = w_desc.dtype
+    n0 = gl.program_id(0) * BLOCK_N
+    seg = gl.program_id(1)
+    k0 = seg * K_SEG
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+    for s in gl.static_range(STAGES):  # weights only: before the wait
+        if s < K_STEPS:
+            _stage(w_desc, w_smem, ready, n0, k0 + s * BLOCK_K, s)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill))
+    c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, fill))
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], dtype)
+    x_smem = gl.allocate_shared_memory(dtype, [K_STEPS, ROWS, BLOCK_K], x_layout)
+    for i in gl.static_range(K_STEPS):  # the input rows of the whole segment, rows >= M zero
+        cols = k0 + i * BLOCK_K + c
+        xt = gl.load(x_ptr + r[:, None] * stride_xm + cols[None, :], mask=(r < M)[:, None],
+                     other=0.0)
+        x_smem.index(i).store(xt)
+    fence_async_shared()
+    _cta_barrier()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                  warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, ROWS, 16])
+    acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+    for i in gl.static_range(K_STEPS):
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        acc = warpgroup_mma(w_smem.index(i % STAGES), x_smem.index(i).permute((1, 0)), acc)
+        if i + STAGES < K_STEPS:  # the product has read the stage: refill it
+            _stage(w_desc, w_smem, ready, n0, k0 + (i + STAGES) * BLOCK_K, i % STAGES)
+    nn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    mm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    if HAS_BIAS:
+        acc += gl.load(b_ptr + nn, mask=nn < N, other=0.0).to(gl.float32)[:, None]
+    out = out_ptr + seg * stride_ps + mm[None, :] * stride_om + nn[:, None]
+    gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(mm < M)[None, :] & (nn < N)[:, None])
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
+    """Whether the kernel takes ``x @ w.T`` over ``segments`` equal K segments."""
+    m, k = x.shape
+    n = w.shape[0]
+    seg = k // segments
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and 1 <= m <= ROWS and k % segments == 0 and seg % BLOCK_K == 0
+            and n % BLOCK_N == 0 and w.is_contiguous() and x.stride(1) == 1
+            and _smem(seg // BLOCK_K) <= SMEM_BYTES)
+
+
+def _smem(k_steps: int) -> int:
+    return 2 * (min(STAGES, k_steps) * BLOCK_N * BLOCK_K + k_steps * ROWS * BLOCK_K) + 1024
+
+
+def _descriptor(w: torch.Tensor) -> TensorDescriptor:
+    dt = gl.bfloat16 if w.dtype == torch.bfloat16 else gl.float16
+    block = [BLOCK_N, BLOCK_K]
+    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, dt))
+
+
+def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                segments: int = 1, partials: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ b) -> [M, N] in x's dtype; ``partials``: [S, M, N] fp32, one
+    K segment's sum each (no bias). ``supports`` must hold."""
+    m, k = x.shape
+    n, seg = w.shape[0], k // segments
+    if partials:
+        out = torch.empty(segments, m, n, dtype=torch.float32, device=x.device)
+    else:
+        assert segments == 1, "segments are summed by the caller (linear_partials' contract)"
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    desc = _descriptor(w)
+    pdl = programmatic(x)
+    _gemv_staged_kernel[(n // BLOCK_N, segments)](
+        x, desc, b if b is not None else x, out, m, n, seg, x.stride(0), n, m * n,
+        HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=min(STAGES, seg // BLOCK_K),
+        ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
