@@ -17,6 +17,8 @@ one cast; with ``partials`` the fp32 sum of each K segment, as ``linear_partials
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -94,6 +96,26 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, s
         acc += gl.load(b_ptr + nn, mask=nn < N, other=0.0).to(gl.float32)[:, None]
     out = out_ptr + seg * stride_ps + mm[None, :] * stride_om + nn[:, None]
     gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(mm < M)[None, :] & (nn < N)[:, None])
+
+
+MAX_ROWS, MIN_N, MAX_N = 8, 512, 24576  # decode GEMVs: not a router (N 128), not an LM head
+
+
+def takes(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
+    """Whether the engine routes ``x @ w.T`` here: a decode-sized product on Hopper."""
+    return (x.dim() == 2 and x.is_cuda and x.shape[0] <= MAX_ROWS and MIN_N <= w.shape[0] < MAX_N
+            and _hopper(x.get_device()) and supports(x, w, segments))
+
+
+def even_bounds(k_bounds, k: int) -> bool:
+    """Whether ``k_bounds`` are ``len(k_bounds)`` equal contiguous segments of [0, k)."""
+    s = len(k_bounds)
+    return k % s == 0 and list(k_bounds) == [(i * k // s, (i + 1) * k // s) for i in range(s)]
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
