@@ -16,6 +16,7 @@ import json
 import torch
 
 from samebits.ops.backend import get_backend, row_parallel_bounds
+from samebits.ops.triton import linear
 from samebits.ops.triton.gemv_staged import gemv_staged
 from samebits.ops.triton.launcher import as_captured
 
@@ -48,7 +49,7 @@ def measure(name: str, k: int, n: int, segs: int) -> None:
 
     def engine(w: torch.Tensor) -> torch.Tensor:
         h = ops.rms_norm(x, gamma, 1e-6)
-        return ops.linear(h, w) if segs == 1 else ops.linear_partials(h, w, bounds)
+        return linear.linear(h, w) if segs == 1 else linear.partials(h, w, bounds)
 
     def staged(w: torch.Tensor) -> torch.Tensor:
         return gemv_staged(ops.rms_norm(x, gamma, 1e-6), w, segments=segs, partials=segs > 1)

@@ -1,7 +1,7 @@
 """The staged batch-1 GEMV (ops/triton/gemv_staged.py): Hopper, bf16.
 
-Its rows are the bits of ``linear`` (one K chain, the bias in fp32, one cast) and its partials the
-bits of ``linear_partials`` (o_proj's two chains), at 1-16 rows; in a CUDA graph with
+Its rows are the bits of ``linear.linear`` (one K chain, the bias in fp32, one cast) and its partials the
+bits of ``linear.partials`` (o_proj's two chains), at 1-16 rows; in a CUDA graph with
 programmatic launch, a chain of staged GEMVs (each reading the previous one's output, its weights
 loaded before its wait) equals the same chain launched eagerly. The checks can fail: another K
 chaining of the same product gives other bits.
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
     reason="needs a Hopper GPU")
 
-from samebits.ops.backend import get_backend, row_parallel_bounds  # noqa: E402
-from samebits.ops.triton import launcher  # noqa: E402
+from samebits.ops.backend import row_parallel_bounds  # noqa: E402
+from samebits.ops.triton import launcher, linear  # noqa: E402
 from samebits.ops.triton.gemv_staged import gemv_staged, supports  # noqa: E402
 
 
@@ -29,19 +29,17 @@ def _rand(*shape, scale=1.0, seed=0):
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("k, n, bias", [(2048, 5120, False), (2048, 5120, True), (4096, 2048, False)])
 def test_staged_rows_are_the_bits_of_linear(m, k, n, bias):
-    ops = get_backend("cuda", True)
     x, w = _rand(m, k, seed=1), _rand(n, k, scale=1 / 45, seed=2)
     b = _rand(n, seed=3) if bias else None
     assert supports(x, w, 1)
-    assert torch.equal(gemv_staged(x, w, b), ops.linear(x, w, b))
+    assert torch.equal(gemv_staged(x, w, b), linear.linear(x, w, b))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_staged_partials_are_the_bits_of_linear_partials(m):
-    ops = get_backend("cuda", True)
     x, w = _rand(m, 4096, seed=4), _rand(2048, 4096, scale=1 / 64, seed=5)
     bounds = row_parallel_bounds(4096, 2)
-    want = ops.linear_partials(x, w, bounds)
+    want = linear.partials(x, w, bounds)
     assert torch.equal(gemv_staged(x, w, segments=2, partials=True), want)
     one_chain = gemv_staged(x, w, segments=1, partials=True)[0]
     assert not torch.equal(one_chain, want[0] + want[1])  # the check can fail: other chains
