@@ -36,7 +36,7 @@ from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait, progra
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-BLOCK_N, BLOCK_K, STAGES, ROWS = 64, 256, 4, 16
+BLOCK_N, BLOCK_K, MAX_STAGES, MAX_ROWS_PADDED = 64, 256, 6, 16
 SMEM_BYTES = 226 * 1024
 
 
@@ -124,13 +124,21 @@ def supports(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
     n = w.shape[0]
     seg = k // segments
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and 1 <= m <= ROWS and k % segments == 0 and seg % BLOCK_K == 0
+            and 1 <= m <= MAX_ROWS_PADDED and k % segments == 0 and seg % BLOCK_K == 0
             and n % BLOCK_N == 0 and w.is_contiguous() and x.stride(1) == 1
-            and _smem(seg // BLOCK_K) <= SMEM_BYTES)
+            and _stages(seg // BLOCK_K, _rows(m)) >= 1)
 
 
-def _smem(k_steps: int) -> int:
-    return 2 * (min(STAGES, k_steps) * BLOCK_N * BLOCK_K + k_steps * ROWS * BLOCK_K) + 1024
+def _rows(m: int) -> int:
+    """The input rows padded to the MMA's N (8 or 16): the padding does not change a row's bits."""
+    return 8 if m <= 8 else 16
+
+
+def _stages(k_steps: int, rows: int) -> int:
+    """Weight tiles in flight (and loaded before the wait): as many as shared memory holds
+    beside the staged input, at most MAX_STAGES; the count does not change the bits."""
+    free = SMEM_BYTES - 1024 - 2 * k_steps * rows * BLOCK_K
+    return min(MAX_STAGES, k_steps, max(free, 0) // (2 * BLOCK_N * BLOCK_K))
 
 
 def _descriptor(w: torch.Tensor) -> TensorDescriptor:
@@ -145,7 +153,7 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """x [M, K] @ w [N, K].T (+ b) -> [M, N] in x's dtype; ``partials``: [S, M, N] fp32, one
     K segment's sum each (no bias). ``supports`` must hold."""
     m, k = x.shape
-    n, seg = w.shape[0], k // segments
+    n, seg, rows = w.shape[0], k // segments, _rows(m)
     if partials:
         out = torch.empty(segments, m, n, dtype=torch.float32, device=x.device)
     else:
@@ -155,6 +163,6 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     pdl = programmatic(x)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
         x, desc, b if b is not None else x, out, m, n, seg, x.stride(0), n, m * n,
-        HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=min(STAGES, seg // BLOCK_K),
-        ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=_stages(seg // BLOCK_K, rows),
+        ROWS=rows, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
