@@ -55,6 +55,32 @@ def test_staged_bits_do_not_follow_its_row_padding_or_stages(monkeypatch, m, max
     assert torch.equal(gemv_staged(x, w), linear.linear(x, w))
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("k, n, bias, narrow_n", [(2048, 128, False, 16), (2048, 128, True, 16),
+                                                  (4096, 128, False, 16), (2048, 128, False, 8)])
+def test_narrow_rows_are_the_bits_of_linear(monkeypatch, m, k, n, bias, narrow_n):
+    from samebits.ops.triton import gemv_staged as module
+    monkeypatch.setattr(module, "NARROW_N", narrow_n)
+    x, w = _rand(m, k, seed=11), _rand(n, k, scale=1 / 45, seed=12)
+    b = _rand(n, seed=13) if bias else None
+    assert n < module.MIN_N and supports(x, w, 1)
+    assert torch.equal(gemv_staged(x, w, b), linear.linear(x, w, b))
+
+
+def test_narrow_after_wide_in_a_graph_equals_stream_order():
+    w, router = _rand(2048, 2048, scale=1 / 45, seed=14), _rand(128, 2048, scale=1 / 45, seed=15)
+    x = _rand(1, 2048, seed=16)
+    with launcher.as_captured():
+        gemv_staged(gemv_staged(x, w), router)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), launcher.as_captured():
+        got = gemv_staged(gemv_staged(x, w), router)
+    for seed in (17, 18):
+        x.copy_(_rand(1, 2048, seed=seed))
+        g.replay()
+        assert torch.equal(got, linear.linear(linear.linear(x, w), router)), seed
+
+
 def test_staged_chain_in_a_graph_equals_the_chain_in_stream_order():
     ws = [_rand(2048, 2048, scale=1 / 45, seed=10 + i) for i in range(12)]
     x = _rand(1, 2048, seed=9)
