@@ -20,7 +20,16 @@ from samebits.ops.backend import AttentionMetadata, KBounds, paired_chains, regi
 from samebits.ops.encoder import InvariantEncoderOps
 from samebits.ops.pending_rank_sum import PendingRankSum
 from samebits.ops.rope import qkv_rope_store as composed_prologue
-from samebits.ops.triton import activation, attention, launcher, linear, rms_norm, rope, softmax
+from samebits.ops.triton import (
+    activation,
+    attention,
+    gemv_staged,
+    launcher,
+    linear,
+    rms_norm,
+    rope,
+    softmax,
+)
 from samebits.ops.triton.linear_tiles import FUSED_MIN_M
 
 # The sources whose arithmetic decides the bits (kernels and the host code choosing segments,
@@ -28,7 +37,8 @@ from samebits.ops.triton.linear_tiles import FUSED_MIN_M
 # digest errs on the side of a new fingerprint.
 _ARITHMETIC_SOURCES = ("activation.py", "attention.py", "attention_kernels.py", "attention_gluon.py",
                        "linear.py", "linear_kernels.py", "rms_norm.py", "rope.py", "softmax.py",
-                       "moe.py", "../backend.py")  # ../backend.py: tree_sum, the segments' order
+                       "moe.py", "gemv_staged.py",
+                       "../backend.py")  # ../backend.py: tree_sum, the segments' order
 
 
 def _arithmetic_digest() -> str:
@@ -53,15 +63,24 @@ class TritonBackend(InvariantEncoderOps):
     # up to FUSED_MIN_M rows the segmented linear writes each chain's fp32 partial and sums them
     # in a second launch (linear_tiles.py); the norm's kernel adds them instead
     partials_into_norm_rows = FUSED_MIN_M
+    # decode GEMVs on Hopper (qkv, o_proj's chains) stage their weights in shared memory before
+    # their wait (gemv_staged.py): the same bits as linear.py's kernels
+    staged_gemv = True
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                k_bounds: KBounds | None = None) -> torch.Tensor:
         """With ``k_bounds``: one fp32 partial per K segment, added in ``tree_sum``'s order
         (linear.py); CUDA-graph safe (no host values of the batch)."""
+        if k_bounds is None and self.staged_gemv and gemv_staged.takes(x, w, 1):
+            return gemv_staged.gemv_staged(x, w, b)
         return linear.linear(x, w, b, k_bounds)
 
     def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
                         ) -> torch.Tensor:
+        segments = len(k_bounds)
+        if self.staged_gemv and gemv_staged.takes(x, w, segments) and \
+                gemv_staged.even_bounds(k_bounds, x.shape[-1]):
+            return gemv_staged.gemv_staged(x, w, segments=segments, partials=True)
         return linear.partials(x, w, k_bounds)
 
     def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,
