@@ -47,6 +47,7 @@ class KVBudget:
         if self.device.type != "cuda":
             return min(CPU_KV_CACHE_BYTES, int(util * available_host_memory()))
         self.reserved = self._activation_reserve()
+        torch.cuda.empty_cache()  # the measurements' cached blocks: counted in reserved, not in use
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * util) - (total - free) - self.reserved
         group = getattr(self.model, "group", None)
