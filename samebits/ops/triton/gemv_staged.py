@@ -1,18 +1,26 @@
-"""A batch-1 GEMV whose weights are staged in shared memory before its input exists (Hopper, Gluon).
+"""Batch-1 GEMVs whose weights are staged in shared memory before their input exists (Hopper, Gluon).
 
 Inside a decode step's CUDA graph every kernel is launched with programmatic dependent launch:
 its programs start once the previous kernel's programs have passed their own wait, and wait for
-that kernel's end at ``griddepcontrol.wait``. A program here issues the TMA loads of its first
-STAGES weight tiles before that wait -- weights are no kernel's output -- so HBM streams them
-while the previous kernel (a norm, the attention merge) runs; after the wait it stages the input
-rows (a few rows, all of its K segment) in shared memory and runs ``warpgroup_mma`` with the
-weight tile as the 64-row A operand and the input's transpose as the B operand (``out^T = W
-x^T``), refilling each stage as its product completes.
+that kernel's end at ``griddepcontrol.wait``. A program here issues the TMA loads of its weight
+tiles before that wait -- weights are no kernel's output -- so HBM streams them while the
+previous kernel (a norm, the attention merge) runs. Two orientations:
+
+- wide (N >= MIN_N: qkv, o_proj's chains): a program owns 64 weight rows and one K segment,
+  stages up to MAX_STAGES tiles before the wait, then the input rows (padded to 8 or 16, all of
+  its segment) in shared memory, and runs ``warpgroup_mma`` with the weight tile as the 64-row A
+  operand and the input's transpose as B (``out^T = W x^T``), refilling each stage as its
+  product completes. Programs walk at most MAX_SEGMENT of K (most of it staged early: longer
+  segments measured slower on the 8B model).
+- narrow (N < MIN_N: a router): a program owns NARROW_N weight rows and stages all of their K
+  before the wait; the input arrives by TMA as the 64-row A operand (rows past M read as zeros),
+  the weight tiles are B (``out = x W^T``).
 
 Bits: ``out[m, n]`` is the fp32 sum over ascending K in the tensor cores' 16-element steps from
-zero, as in linear_kernels.py's kernels (the tile and operand order do not change a Hopper dot's
-bits; tests/gpu/test_gemv_staged_gpu.py checks it against ``linear``), then the bias in fp32 and
-one cast; with ``partials`` the fp32 sum of each K segment, as ``linear_partials``.
+zero, as in linear_kernels.py's kernels (the tile, the operand order and the row padding do not
+change a Hopper dot's bits; tests/gpu/test_gemv_staged_gpu.py checks both kernels against
+``linear``), then the bias in fp32 and one cast; with ``partials`` the fp32 sum of each K
+segment, as ``linear_partials``.
 """
 
 from __future__ import annotations
