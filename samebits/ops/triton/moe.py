@@ -49,7 +49,7 @@ from samebits.ops.triton.launcher import programmatic, programmatic_device, wait
 
 ALIGN_ONE_PROGRAM = 2048  # assignments the one-program align kernel sorts (decode batches)
 DIRECT_MAX = 32  # assignments laid out one per block, no align launch (batch <= 4 at top-8)
-COMBINE_BLOCK = 1024
+COMBINE_BLOCK = 512  # columns a combine program adds (free: its sums are per column)
 _NO_FTZ = {"enable_reflect_ftz": False}
 
 
