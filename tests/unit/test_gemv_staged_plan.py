@@ -1,7 +1,6 @@
 """The staged GEMVs' host-side plan (ops/triton/gemv_staged.py; the kernels need a Hopper GPU:
 tests/gpu/test_gemv_staged_gpu.py): every stage count fits the shared memory the kernels
-allocate, the input rows pad to an MMA width, only equal K segments qualify, and nothing but a
-CUDA tensor is ever routed there."""
+allocate, only equal K segments qualify, and nothing but a CUDA tensor is ever routed there."""
 
 from __future__ import annotations
 
@@ -12,18 +11,16 @@ G = pytest.importorskip("samebits.ops.triton.gemv_staged")
 
 
 @pytest.mark.parametrize("k_steps", [1, 4, 8, 12, 16, 28])
-@pytest.mark.parametrize("rows", [8, 16])
-def test_wide_stages_fit_shared_memory(k_steps, rows):
-    stages = G._stages(k_steps, rows)
-    used = 2 * (stages * G.BLOCK_N * G.BLOCK_K + k_steps * rows * G.BLOCK_K) + 1024
+def test_wide_stages_fit_shared_memory(k_steps):
+    stages = G._stages(k_steps)
+    used = 2 * (stages * G.BLOCK_N * G.BLOCK_K + k_steps * G.ROWS * G.BLOCK_K) + 1024
     assert 0 <= stages <= min(G.MAX_STAGES, k_steps) and used <= G.SMEM_BYTES
     if stages < min(G.MAX_STAGES, k_steps):  # as many as fit: one more would not
         assert used + 2 * G.BLOCK_N * G.BLOCK_K > G.SMEM_BYTES
 
 
 def test_decode_shapes_get_most_weights_in_flight():
-    assert G._stages(8, G._rows(1)) == 6  # qkv / o_proj chain at K 2048: 6 of 8 tiles early
-    assert G._rows(1) == 8 and G._rows(8) == 8 and G._rows(9) == 16
+    assert G._stages(8) == 6  # qkv / o_proj chain at K 2048: 6 of 8 tiles early
     assert G._x_stages(8) == 4  # a router at K 2048: all its weights and 4 input tiles
 
 

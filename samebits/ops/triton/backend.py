@@ -71,14 +71,14 @@ class TritonBackend(InvariantEncoderOps):
                k_bounds: KBounds | None = None) -> torch.Tensor:
         """With ``k_bounds``: one fp32 partial per K segment, added in ``tree_sum``'s order
         (linear.py); CUDA-graph safe (no host values of the batch)."""
-        if k_bounds is None and self.staged_gemv and gemv_staged.takes(x, w, 1):
+        if k_bounds is None and self.staged_gemv and gemv_staged.takes(x, w, b):
             return gemv_staged.gemv_staged(x, w, b)
         return linear.linear(x, w, b, k_bounds)
 
     def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
                         ) -> torch.Tensor:
         segments = len(k_bounds)
-        if self.staged_gemv and gemv_staged.takes(x, w, segments) and \
+        if self.staged_gemv and gemv_staged.takes(x, w, None, segments, partials=True) and \
                 gemv_staged.even_bounds(k_bounds, x.shape[-1]):
             return gemv_staged.gemv_staged(x, w, segments=segments, partials=True)
         return linear.partials(x, w, k_bounds)

@@ -7,11 +7,10 @@ tiles before that wait -- weights are no kernel's output -- so HBM streams them 
 previous kernel (a norm, the attention merge) runs. Two orientations:
 
 - wide (N >= MIN_N: qkv, o_proj's chains): a program owns 64 weight rows and one K segment,
-  stages up to MAX_STAGES tiles before the wait, then the input rows (padded to 8 or 16, all of
+  stages up to MAX_STAGES tiles before the wait, then the input rows (padded to ROWS, all of
   its segment) in shared memory, and runs ``warpgroup_mma`` with the weight tile as the 64-row A
   operand and the input's transpose as B (``out^T = W x^T``), refilling each stage as its
-  product completes. Programs walk at most MAX_SEGMENT of K (most of it staged early: longer
-  segments measured slower on the 8B model).
+  product completes.
 - narrow (N < MIN_N: a router): a program owns NARROW_N weight rows and stages all of their K
   before the wait; the input arrives by TMA as the 64-row A operand (rows past M read as zeros),
   the weight tiles are B (``out = x W^T``).
@@ -25,8 +24,6 @@ segment, as ``linear_partials``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,20 +35,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from samebits.ops.backend import KBounds
 from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait, programmatic
+from samebits.ops.triton.linear_tiles import SMEM_BYTES
 
-# Gluon's names moved between Triton 3.6 (the GPU machine's) and 3.9
+# Gluon's names differ between Triton 3.6 and 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-BLOCK_N, BLOCK_K, MAX_STAGES, MAX_ROWS_PADDED = 64, 256, 6, 16
-SMEM_BYTES = 226 * 1024
+# The engine's routing (``takes``): products of up to ROWS rows inside a captured graph
+# (programmatic launch: the early loads pay only there; eager calls keep linear.py's kernels,
+# the same bits), N below MAX_N (an LM head or a wide gate_up keeps linear.py's persistent
+# tiles), a wide program walking at most MAX_SEGMENT of K (most of it staged before the wait)
+ROWS, MIN_N, MAX_N, MAX_SEGMENT = 8, 512, 24576, 2048
+BLOCK_N, BLOCK_K, MAX_STAGES = 64, 256, 6  # wide: 64 weight rows a program, 256-column tiles
+NARROW_N, X_ROWS, MAX_X_STAGES = 16, 64, 4  # narrow (N < MIN_N): 16 weight rows a program
 
 
 @gluon.jit
-def _stage(w_desc, w_smem, ready, n0, k, s):
-    mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-    _tma_load(w_desc, [n0, k], ready.index(s), w_smem.index(s))
+def _stage(desc, smem, ready, row, k, s):
+    """TMA of ``desc``'s tile at (row, k) into buffer s of ``smem``, completing on barrier s."""
+    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+    _tma_load(desc, [row, k], ready.index(s), smem.index(s))
 
 
 @gluon.jit
@@ -152,55 +157,46 @@ def _gemv_narrow_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om,
     gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(mm < M)[:, None] & (nn < N)[None, :])
 
 
-MAX_ROWS, MIN_N, MAX_N = 8, 512, 24576  # decode GEMVs; narrower (a router): the narrow kernel
-MAX_SEGMENT = 2048  # K a wide program walks: most of it staged before the wait
-NARROW_N, X_ROWS, MAX_X_STAGES = 16, 64, 4
 
-
-def takes(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
-    """Whether the engine routes ``x @ w.T`` here: a decode-sized product on Hopper."""
-    return (x.dim() == 2 and x.is_cuda and x.shape[0] <= MAX_ROWS and w.shape[0] < MAX_N
+def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, segments: int = 1,
+          partials: bool = False) -> bool:
+    """Whether the engine routes ``x @ w.T`` (+ b; over ``segments`` chains, kept apart with
+    ``partials``) here: a decode product inside a captured graph on Hopper (module constants)."""
+    return (x.dim() == 2 and programmatic(x) and w.dim() == 2 and w.shape[0] < MAX_N
             and (w.shape[0] < MIN_N or x.shape[1] // segments <= MAX_SEGMENT)
-            and _hopper(x.get_device()) and supports(x, w, segments))
+            and supports(x, w, b, segments, partials))
 
 
-def even_bounds(k_bounds, k: int) -> bool:
+def even_bounds(k_bounds: KBounds, k: int) -> bool:
     """Whether ``k_bounds`` are ``len(k_bounds)`` equal contiguous segments of [0, k)."""
     s = len(k_bounds)
     return k % s == 0 and list(k_bounds) == [(i * k // s, (i + 1) * k // s) for i in range(s)]
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def supports(x: torch.Tensor, w: torch.Tensor, segments: int) -> bool:
-    """Whether a kernel here takes ``x @ w.T`` over ``segments`` equal K segments: the narrow
-    one below MIN_N columns (one segment), the wide one from there."""
+def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, segments: int = 1,
+             partials: bool = False) -> bool:
+    """Whether a kernel here takes the product: the narrow one below MIN_N columns (one
+    segment, no partials), the wide one from there; operands TMA and the stores can read."""
     m, k = x.shape
-    n = w.shape[0]
-    seg = k // segments
+    n, seg = w.shape[0], k // segments
     common = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-              and w.is_contiguous() and x.stride(1) == 1 and k % segments == 0
-              and seg % BLOCK_K == 0 and m >= 1)
+              and w.shape[1] == k and w.is_contiguous() and w.data_ptr() % 16 == 0
+              and w.device == x.device and x.stride(1) == 1 and 1 <= m <= ROWS
+              and k % segments == 0 and seg % BLOCK_K == 0
+              and (b is None or (not partials and b.is_contiguous() and b.numel() == n
+                                 and b.device == x.device)))
     if n < MIN_N:
-        return (common and segments == 1 and m <= X_ROWS and n % NARROW_N == 0
+        return (common and segments == 1 and not partials and n % NARROW_N == 0
                 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
                 and _x_stages(k // BLOCK_K) >= 1)
-    return (common and m <= MAX_ROWS_PADDED and n % BLOCK_N == 0
-            and _stages(seg // BLOCK_K, _rows(m)) >= 1)
+    return common and n % BLOCK_N == 0 and (partials or segments == 1) and \
+        _stages(seg // BLOCK_K) >= 1
 
 
-def _rows(m: int) -> int:
-    """The input rows padded to the MMA's N (8 or 16): the padding does not change a row's bits."""
-    return 8 if m <= 8 else 16
-
-
-def _stages(k_steps: int, rows: int) -> int:
+def _stages(k_steps: int) -> int:
     """Weight tiles in flight (and loaded before the wait): as many as shared memory holds
-    beside the staged input, at most MAX_STAGES; the count does not change the bits."""
-    free = SMEM_BYTES - 1024 - 2 * k_steps * rows * BLOCK_K
+    beside the staged input rows, at most MAX_STAGES; the count does not change the bits."""
+    free = SMEM_BYTES - 1024 - 2 * k_steps * ROWS * BLOCK_K
     return min(MAX_STAGES, k_steps, max(free, 0) // (2 * BLOCK_N * BLOCK_K))
 
 
@@ -220,23 +216,21 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                 segments: int = 1, partials: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ b) -> [M, N] in x's dtype; ``partials``: [S, M, N] fp32, one
-    K segment's sum each (no bias). ``supports`` must hold."""
+    K segment's sum each (no bias). A ValueError where ``supports`` does not hold."""
+    if not supports(x, w, b, segments, partials):
+        raise ValueError(f"gemv_staged: x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} over "
+                         f"{segments} segment(s), partials={partials}: not a product it takes")
     m, k = x.shape
-    n, seg, rows = w.shape[0], k // segments, _rows(m)
+    n, seg = w.shape[0], k // segments
     if n < MIN_N:
-        assert segments == 1 and not partials, "the narrow kernel walks all of K"
         return _narrow(x, w, b)
-    if partials:
-        out = torch.empty(segments, m, n, dtype=torch.float32, device=x.device)
-    else:
-        assert segments == 1, "segments are summed by the caller (linear_partials' contract)"
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    desc = _descriptor(w, BLOCK_N)
+    shape = (segments, m, n) if partials else (m, n)
+    out = torch.empty(shape, dtype=torch.float32 if partials else x.dtype, device=x.device)
     pdl = programmatic(x)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
-        x, desc, b if b is not None else x, out, m, n, seg, x.stride(0), n, m * n,
-        HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=_stages(seg // BLOCK_K, rows),
-        ROWS=rows, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x, _descriptor(w, BLOCK_N), b if b is not None else x, out, m, n, seg, x.stride(0), n,
+        m * n, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=_stages(seg // BLOCK_K),
+        ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
