@@ -63,8 +63,8 @@ class TritonBackend(InvariantEncoderOps):
     # up to FUSED_MIN_M rows the segmented linear writes each chain's fp32 partial and sums them
     # in a second launch (linear_tiles.py); the norm's kernel adds them instead
     partials_into_norm_rows = FUSED_MIN_M
-    # decode GEMVs on Hopper (qkv, o_proj's chains) stage their weights in shared memory before
-    # their wait (gemv_staged.py): the same bits as linear.py's kernels
+    # decode GEMVs in Hopper graphs (qkv, o_proj's chains, a router) stage their weights in
+    # shared memory before their wait (gemv_staged.py): the same bits as linear.py's kernels
     staged_gemv = True
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
