@@ -11,33 +11,27 @@ while the norm runs. Microseconds per pair and the ratio to the engine's kernel.
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from samebits.ops.backend import get_backend, row_parallel_bounds
-from samebits.ops.triton import linear
-from samebits.ops.triton.gemv_staged import gemv_staged
-from samebits.ops.triton.launcher import as_captured
+sys.path.insert(0, str(Path(__file__).parent))
+import graph_timer  # noqa: E402
+
+from samebits.ops.backend import get_backend, row_parallel_bounds  # noqa: E402
+from samebits.ops.triton import linear  # noqa: E402
+from samebits.ops.triton.gemv_staged import gemv_staged  # noqa: E402
 
 PAIRS, COPIES = 16, 6
 
 
-def graph_us(step) -> float:
-    with as_captured():
-        step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), as_captured():
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    for _ in range(20):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 20 / PAIRS
+def pair_us(pair, weights: list[torch.Tensor]) -> float:
+    """Microseconds of one pair in a graph of PAIRS, each reading the next weight copy."""
+    copies = itertools.cycle(weights)
+    return graph_timer.graph_us(lambda: pair(next(copies)), reps=PAIRS, captured=True)
 
 
 def measure(name: str, k: int, n: int, segs: int) -> None:
@@ -55,8 +49,7 @@ def measure(name: str, k: int, n: int, segs: int) -> None:
         return gemv_staged(ops.rms_norm(x, gamma, 1e-6), w, segments=segs, partials=segs > 1)
 
     assert torch.equal(engine(ws[0]), staged(ws[0]))
-    base = graph_us(lambda: [engine(ws[i % COPIES]) for i in range(PAIRS)])
-    new = graph_us(lambda: [staged(ws[i % COPIES]) for i in range(PAIRS)])
+    base, new = pair_us(engine, ws), pair_us(staged, ws)
     print(json.dumps({"bench": "gemv_staged", "device": torch.cuda.get_device_name(),
                       "product": name, "engine_pair_us": round(base, 2),
                       "staged_pair_us": round(new, 2), "staged_to_engine": round(new / base, 3)}),

@@ -44,10 +44,11 @@ from samebits.ops.triton.attention_kernels import (
 from samebits.ops.triton.launcher import programmatic
 
 try:  # Gluon's Hopper API (Triton >= 3.5): the warp-specialized prefill kernel
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from samebits.ops.triton.attention_gluon import _prefill_gluon_kernel, _split_gluon_kernel
+    from samebits.ops.triton.attention_gluon import (
+        _prefill_gluon_kernel,
+        _split_gluon_kernel,
+        tma_descriptor,
+    )
 except ImportError:  # pragma: no cover - older Triton: the Triton kernels everywhere
     _prefill_gluon_kernel = _split_gluon_kernel = None
 
@@ -275,18 +276,11 @@ def _gluon_common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPl
             and 128 % meta.block_size == 0)
 
 
-def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """TMA descriptor over a 16-bit 2-D view x (rows of stride x.stride(0)), boxes ``block``."""
-    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, dt))
-
-
 def _kv_descs(k_cache: torch.Tensor, v_cache: torch.Tensor, bs: int):
     """TMA descriptors over the caches viewed as [slots, Hkv*D], one page of one head a box."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k2, v2 = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    return _descriptor(k2, [bs, d]), _descriptor(v2, [bs, d])
+    return tma_descriptor(k2, [bs, d]), tma_descriptor(v2, [bs, d])
 
 
 def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -295,7 +289,7 @@ def _prefill_gluon(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """``_prefill_kernel``'s bits through attention_gluon.py: a TMA descriptor over q viewed as
     [T, Hq*D] (tiles of 128 rows) and ``_kv_descs``."""
     t, hq, d = q.shape
-    q_desc = _descriptor(q.as_strided((t, hq * d), (q.stride(0), 1)), [p.block_m, d])
+    q_desc = tma_descriptor(q.as_strided((t, hq * d), (q.stride(0), 1)), [p.block_m, d])
     k_desc, v_desc = _kv_descs(k_cache, v_cache, meta.block_size)
     bt, hkv = meta.block_tables, k_cache.shape[2]
     _prefill_gluon_kernel[(hq, p.tiles.shape[0])](

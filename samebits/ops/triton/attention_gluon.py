@@ -20,6 +20,7 @@ stored). tests/gpu/test_attention_bits.py checks it bit for bit against the deco
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -29,8 +30,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait
+
+
+def tma_descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """TMA descriptor over a 16-bit 2-D view x (rows of stride x.stride(0)), boxes ``block`` in
+    the shared layout the Gluon kernels' MMAs read."""
+    dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, dt))
 
 
 @gluon.jit

@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
     warpgroup_mma,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from samebits.ops.backend import KBounds
+from samebits.ops.triton.attention_gluon import tma_descriptor
 from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait, programmatic
 from samebits.ops.triton.linear_tiles import SMEM_BYTES
 
@@ -57,6 +57,16 @@ def _stage(desc, smem, ready, row, k, s):
     """TMA of ``desc``'s tile at (row, k) into buffer s of ``smem``, completing on barrier s."""
     mbarrier.expect(ready.index(s), desc.block_type.nbytes)
     _tma_load(desc, [row, k], ready.index(s), smem.index(s))
+
+
+@gluon.jit
+def _store(acc, out_ptr, b_ptr, m, n, M, N, stride_om, HAS_BIAS: gl.constexpr):
+    """out[m, n] = acc (+ b[n] in fp32), cast once; ``m`` / ``n`` index acc's rows or columns
+    (broadcast to its shape, either orientation), rows >= M and columns >= N not stored."""
+    if HAS_BIAS:
+        acc += gl.load(b_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+    gl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty),
+             mask=(m < M) & (n < N))
 
 
 @gluon.jit
@@ -105,10 +115,8 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, s
             _stage(w_desc, w_smem, ready, n0, k0 + (i + STAGES) * BLOCK_K, i % STAGES)
     nn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     mm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-    if HAS_BIAS:
-        acc += gl.load(b_ptr + nn, mask=nn < N, other=0.0).to(gl.float32)[:, None]
-    out = out_ptr + seg * stride_ps + mm[None, :] * stride_om + nn[:, None]
-    gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(mm < M)[None, :] & (nn < N)[:, None])
+    _store(acc, out_ptr + seg * stride_ps, b_ptr, mm[None, :], nn[:, None], M, N, stride_om,
+           HAS_BIAS)
 
 
 @gluon.jit
@@ -151,11 +159,7 @@ def _gemv_narrow_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om,
             _stage(x_desc, x_smem, x_ready, 0, (i + X_STAGES) * BLOCK_K, i % X_STAGES)
     mm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
     nn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-    if HAS_BIAS:
-        acc += gl.load(b_ptr + nn, mask=nn < N, other=0.0).to(gl.float32)[None, :]
-    out = out_ptr + mm[:, None] * stride_om + nn[None, :]
-    gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(mm < M)[:, None] & (nn < N)[None, :])
-
+    _store(acc, out_ptr, b_ptr, mm[:, None], nn[None, :], M, N, stride_om, HAS_BIAS)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, segments: int = 1,
@@ -194,23 +198,21 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, se
 
 
 def _stages(k_steps: int) -> int:
-    """Weight tiles in flight (and loaded before the wait): as many as shared memory holds
-    beside the staged input rows, at most MAX_STAGES; the count does not change the bits."""
-    free = SMEM_BYTES - 1024 - 2 * k_steps * ROWS * BLOCK_K
-    return min(MAX_STAGES, k_steps, max(free, 0) // (2 * BLOCK_N * BLOCK_K))
+    """Wide: weight tiles in flight (and loaded before the wait) beside the staged input rows."""
+    return _ring(k_steps, k_steps * ROWS, BLOCK_N, MAX_STAGES)
 
 
 def _x_stages(k_steps: int) -> int:
-    """Input tiles in flight in the narrow kernel, beside all of its weight tiles."""
-    free = SMEM_BYTES - 1024 - 2 * k_steps * NARROW_N * BLOCK_K
-    return min(MAX_X_STAGES, k_steps, max(free, 0) // (2 * X_ROWS * BLOCK_K))
+    """Narrow: input tiles in flight beside all of the program's weight tiles."""
+    return _ring(k_steps, k_steps * NARROW_N, X_ROWS, MAX_X_STAGES)
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    block = [rows, BLOCK_K]
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, dt))
+def _ring(k_steps: int, fixed_rows: int, stage_rows: int, cap: int) -> int:
+    """Buffers of ``stage_rows`` x BLOCK_K 16-bit values that shared memory holds beside
+    ``fixed_rows`` such rows and the barriers, at most ``cap`` and ``k_steps``; the count does
+    not change the bits."""
+    free = SMEM_BYTES - 1024 - 2 * fixed_rows * BLOCK_K
+    return min(cap, k_steps, max(free, 0) // (2 * stage_rows * BLOCK_K))
 
 
 def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -228,9 +230,9 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     out = torch.empty(shape, dtype=torch.float32 if partials else x.dtype, device=x.device)
     pdl = programmatic(x)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
-        x, _descriptor(w, BLOCK_N), b if b is not None else x, out, m, n, seg, x.stride(0), n,
-        m * n, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=_stages(seg // BLOCK_K),
-        ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x, tma_descriptor(w, [BLOCK_N, BLOCK_K]), b if b is not None else x, out, m, n, seg,
+        x.stride(0), n, m * n, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K,
+        STAGES=_stages(seg // BLOCK_K), ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -240,7 +242,7 @@ def _narrow(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = programmatic(x)
     _gemv_narrow_kernel[(n // NARROW_N,)](
-        _descriptor(x, X_ROWS), _descriptor(w, NARROW_N), b if b is not None else x, out, m, n,
-        n, HAS_BIAS=b is not None, K_STEPS=k // BLOCK_K, X_STAGES=_x_stages(k // BLOCK_K),
-        PDL=pdl, num_warps=4, launch_pdl=pdl)
+        tma_descriptor(x, [X_ROWS, BLOCK_K]), tma_descriptor(w, [NARROW_N, BLOCK_K]),
+        b if b is not None else x, out, m, n, n, HAS_BIAS=b is not None, K_STEPS=k // BLOCK_K,
+        X_STAGES=_x_stages(k // BLOCK_K), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
