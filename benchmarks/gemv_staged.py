@@ -24,6 +24,7 @@ import graph_timer  # noqa: E402
 from samebits.ops.backend import get_backend, row_parallel_bounds  # noqa: E402
 from samebits.ops.triton import linear  # noqa: E402
 from samebits.ops.triton.gemv_staged import gemv_staged  # noqa: E402
+from samebits.ops.triton.launcher import programmatic  # noqa: E402
 
 PAIRS, COPIES = 16, 6
 
@@ -56,9 +57,45 @@ def measure(name: str, k: int, n: int, segs: int) -> None:
           flush=True)
 
 
+def measure_merged(splits: int) -> None:
+    """The attention merge + o_proj's two chains (the engine: the merge kernel, then the staged
+    partials) against the staged GEMV merging the split partials itself, one decode token."""
+    from samebits.ops.triton.attention_kernels import _merge_kernel
+    from samebits.ops.triton.gemv_staged import merged_partials
+    hq, d, ms, c = 32, 128, splits, 0.1275
+    part_acc = torch.randn(1, hq, ms, d, device="cuda")
+    part_ml = torch.stack([torch.randn(1, hq, ms, device="cuda"),
+                           torch.rand(1, hq, ms, device="cuda") + 1], -1)
+    pos = torch.tensor([ms * 128 - 1], dtype=torch.int32, device="cuda")
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    ws = [(torch.randn(2048, hq * d, device="cuda") / 64).bfloat16() for _ in range(COPIES)]
+    bounds = row_parallel_bounds(hq * d, 2)
+    ops = get_backend("cuda", True)
+
+    def engine(w: torch.Tensor) -> torch.Tensor:
+        pdl = programmatic(out)
+        _merge_kernel[(1, hq)](part_acc, part_ml, pos, rows, out, hq * ms, ms, out.stride(0),
+                               out.stride(1), c, hq, HB=1, D=d, SPLIT=128, STAGES=min(12, ms),
+                               PDL=pdl, num_warps=1, enable_fp_fusion=False, launch_pdl=pdl)
+        return ops.linear_partials(out.view(1, hq * d), w, bounds)
+
+    def fused(w: torch.Tensor) -> torch.Tensor:
+        return merged_partials(part_acc, part_ml, pos, 128, c, w, 2)
+
+    assert torch.equal(engine(ws[0]), fused(ws[0]))
+    base, new = pair_us(engine, ws), pair_us(fused, ws)
+    print(json.dumps({"bench": "gemv_staged", "device": torch.cuda.get_device_name(),
+                      "product": f"merge ({splits} splits) + o_proj", "engine_pair_us": round(base, 2),
+                      "merged_us": round(new, 2), "merged_to_engine": round(new / base, 3)}),
+          flush=True)
+
+
 def main() -> None:
     measure("qkv", 2048, 5120, 1)
     measure("o_proj (2 chains)", 4096, 2048, 2)
+    for splits in (2, 4):
+        measure_merged(splits)
 
 
 if __name__ == "__main__":

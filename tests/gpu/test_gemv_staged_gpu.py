@@ -119,3 +119,65 @@ def test_staged_chain_in_a_graph_equals_the_chain_in_stream_order():
         g.replay()
         assert _same_bits(got, chain()), seed
     assert not torch.equal(got, want)  # new inputs: the replay did not return stale rows
+
+
+def _merge_then_partials(part_acc, part_ml, positions, w, c):
+    """The engine's path: the merge kernel (attention.decode's launch for one token), then
+    ``linear.partials`` over o_proj's two chains."""
+    from samebits.ops.triton.attention_kernels import _merge_kernel
+    _, hq, ms, d = part_acc.shape
+    out = torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _merge_kernel[(1, hq)](part_acc, part_ml, positions, rows, out, hq * ms, ms, out.stride(0),
+                           out.stride(1), c, hq, HB=1, D=d, SPLIT=128, STAGES=2, PDL=False,
+                           num_warps=1, enable_fp_fusion=False)
+    return linear.partials(out.view(1, hq * d), w, row_parallel_bounds(hq * d, 2))
+
+
+def _partials(pos: int, seed: int, max_splits: int = 4):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    part_acc = torch.randn(1, 32, max_splits, 128, generator=g, device="cuda")
+    m = torch.randn(1, 32, max_splits, generator=g, device="cuda") * 4
+    sums = torch.rand(1, 32, max_splits, generator=g, device="cuda") * 60 + 0.5
+    part_ml = torch.stack([m, sums], -1)
+    n = pos // 128 + 1
+    part_acc[:, :, n:] = float("nan")  # splits past the token's: never read into the result
+    part_ml[:, :, n:] = float("nan")
+    return part_acc, part_ml, torch.tensor([pos], dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("pos", [0, 100, 127, 128, 300, 511])
+def test_merged_partials_are_the_bits_of_the_merge_then_linear_partials(pos):
+    from samebits.ops.triton.gemv_staged import merged_partials, merges
+    w, c = _rand(2048, 4096, scale=1 / 64, seed=30), 0.0883883 * 1.4426950408889634
+    part_acc, part_ml, positions = _partials(pos, seed=31)
+    assert merges(w, part_acc, 2)
+    want = _merge_then_partials(part_acc, part_ml, positions, w, c)
+    assert torch.equal(merged_partials(part_acc, part_ml, positions, 128, c, w, 2), want)
+    if pos >= 128:  # the check can fail: merging one split fewer gives other bits
+        short = torch.tensor([pos - 128], dtype=torch.int32, device="cuda")
+        assert not torch.equal(merged_partials(part_acc, part_ml, short, 128, c, w, 2), want)
+
+
+def test_merged_partials_in_a_graph_read_this_steps_partials():
+    from samebits.ops.triton.gemv_staged import merged_partials
+    w, c = _rand(2048, 4096, scale=1 / 64, seed=40), 0.125
+    part_acc, part_ml, positions = _partials(300, seed=41)
+    src_acc, src_ml = part_acc.clone(), part_ml.clone()
+
+    def step():  # a kernel writes the partials right before the GEMV (as the split kernel does)
+        part_acc.copy_(src_acc)
+        part_ml.copy_(src_ml)
+        return merged_partials(part_acc, part_ml, positions, 128, c, w, 2)
+
+    with launcher.as_captured():
+        step()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), launcher.as_captured():
+        got = step()
+    for seed in (42, 43):
+        new_acc, new_ml, _ = _partials(300, seed=seed)
+        src_acc.copy_(new_acc)
+        src_ml.copy_(new_ml)
+        g.replay()
+        assert torch.equal(got, _merge_then_partials(new_acc, new_ml, positions, w, c)), seed

@@ -70,11 +70,58 @@ def _store(acc, out_ptr, b_ptr, m, n, M, N, stride_om, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
+def _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, r, cc, fill: gl.constexpr,
+                  D: gl.constexpr, SPLIT: gl.constexpr, MAX_MERGED: gl.constexpr):
+    """Row 0 of the padded input tiles (rows 1.. zero) = the merge of token 0's splits 0..pos //
+    SPLIT (at most MAX_MERGED) for the segment's heads: ``attention_kernels._merge_splits``'
+    elementwise arithmetic in the same order (a split past the count is skipped by a select),
+    so the bits of the merge kernel's output; every split's partial is loaded at once."""
+    K_STEPS: gl.constexpr = x_smem.shape[0]
+    BLOCK_K: gl.constexpr = x_smem.shape[2]
+    HS: gl.constexpr = K_STEPS * BLOCK_K // D
+    hl: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
+    heads = seg * HS + gl.arange(0, HS, layout=gl.SliceLayout(1, hl))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, hl))
+    n_splits = pos // SPLIT + 1
+    big_m = gl.full([HS], float("-inf"), gl.float32, gl.SliceLayout(1, hl))
+    big_l = gl.zeros([HS], gl.float32, gl.SliceLayout(1, hl))
+    acc = gl.zeros([HS, D], gl.float32, hl)
+    for s in gl.static_range(MAX_MERGED):
+        valid = (heads * 0 + s) < n_splits  # [HS]: split s is one of the token's
+        base = heads.to(gl.int64) * max_splits + s
+        m_s = gl.load(part_ml + base * 2, mask=valid, other=0.0, cache_modifier=".cg")
+        l_s = gl.load(part_ml + base * 2 + 1, mask=valid, other=1.0, cache_modifier=".cg")
+        acc_s = gl.load(part_acc + base[:, None] * D + d[None, :], mask=valid[:, None],
+                        other=0.0, cache_modifier=".cg")
+        m_new = gl.maximum(big_m, m_s)
+        a1 = gl.exp2((big_m - m_new) * c)
+        a2 = gl.exp2((m_s - m_new) * c)
+        l_new = gl.fma(big_l, a1, l_s * a2)
+        acc_new = gl.fma(acc, a1[:, None], acc_s * a2[:, None])
+        big_m = gl.where(valid, m_new, big_m)
+        big_l = gl.where(valid, l_new, big_l)
+        acc = gl.where(valid[:, None], acc_new, acc)
+    x = (acc / big_l[:, None]).to(x_smem.dtype)
+    scratch = gl.allocate_shared_memory(x_smem.dtype, [HS, D],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]), x)
+    _cta_barrier()
+    steps = scratch.reshape([K_STEPS, BLOCK_K])
+    for i in gl.static_range(K_STEPS):  # heads (2i, 2i + 1) are K step i's columns
+        row = steps.slice(i, 1).load(fill)  # [1, BLOCK_K]
+        x_smem.index(i).store(gl.where((r == 0)[:, None], row, 0.0).to(x_smem.dtype))
+
+
+@gluon.jit
 def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, stride_om,
-                        stride_ps, HAS_BIAS: gl.constexpr, K_STEPS: gl.constexpr,
-                        STAGES: gl.constexpr, ROWS: gl.constexpr, PDL: gl.constexpr):
+                        stride_ps, part_acc, part_ml, pos_ptr, max_splits, c,
+                        HAS_BIAS: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                        ROWS: gl.constexpr, PDL: gl.constexpr, MERGE: gl.constexpr = False,
+                        D: gl.constexpr = 128, SPLIT: gl.constexpr = 128,
+                        MAX_MERGED: gl.constexpr = 4):
     """Program (n-tile ``program_id(0)``, K segment ``program_id(1)``): rows [n0, n0 + BLOCK_N)
-    of out^T over columns [seg K_SEG, (seg + 1) K_SEG) of x's first M rows (M <= ROWS)."""
+    of out^T over columns [seg K_SEG, (seg + 1) K_SEG) of x's first M rows (M <= ROWS).
+    MERGE (M = 1): x is the attention's output, merged here from the decode split partials
+    (``_stage_merged``) instead of read."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     dtype: gl.constexpr = w_desc.dtype
@@ -89,19 +136,26 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, s
     for s in gl.static_range(STAGES):  # weights only: before the wait
         if s < K_STEPS:
             _stage(w_desc, w_smem, ready, n0, k0 + s * BLOCK_K, s)
+    pos = 0
+    if MERGE:  # the step's metadata: final before its first kernel
+        pos = gl.load(pos_ptr)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill))
-    c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, fill))
+    cc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, fill))
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], dtype)
     x_smem = gl.allocate_shared_memory(dtype, [K_STEPS, ROWS, BLOCK_K], x_layout)
-    for i in gl.static_range(K_STEPS):  # the input rows of the whole segment, rows >= M zero
-        cols = k0 + i * BLOCK_K + c
-        xt = gl.load(x_ptr + r[:, None] * stride_xm + cols[None, :], mask=(r < M)[:, None],
-                     other=0.0)
-        x_smem.index(i).store(xt)
+    if MERGE:
+        _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, r, cc, fill, D, SPLIT,
+                      MAX_MERGED)
+    else:
+        for i in gl.static_range(K_STEPS):  # the input rows of the whole segment, rows >= M 0
+            cols = k0 + i * BLOCK_K + cc
+            xt = gl.load(x_ptr + r[:, None] * stride_xm + cols[None, :],
+                         mask=(r < M)[:, None], other=0.0)
+            x_smem.index(i).store(xt)
     fence_async_shared()
     _cta_barrier()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
@@ -231,7 +285,7 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     pdl = programmatic(x)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
         x, tma_descriptor(w, [BLOCK_N, BLOCK_K]), b if b is not None else x, out, m, n, seg,
-        x.stride(0), n, m * n, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K,
+        x.stride(0), n, m * n, out, out, x, 1, 1.0, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K,
         STAGES=_stages(seg // BLOCK_K), ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
@@ -246,3 +300,43 @@ def _narrow(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
         b if b is not None else x, out, m, n, n, HAS_BIAS=b is not None, K_STEPS=k // BLOCK_K,
         X_STAGES=_x_stages(k // BLOCK_K), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def merged_partials(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor,
+                    split_size: int, c: float, w: torch.Tensor, segments: int) -> torch.Tensor:
+    """``linear.partials(merge(...), w, segments equal K chains)`` -> [S, 1, N] fp32 for one
+    decode token: its attention output merged inside the GEMV from the split kernel's partials
+    ``part_acc`` [1, Hq, max_splits, D] / ``part_ml`` [1, Hq, max_splits, 2] (splits 0..
+    positions[0] // split_size, at most ``MAX_MERGED_SPLITS``). ``merges`` must hold."""
+    _, hq, max_splits, d = part_acc.shape
+    n, k = w.shape[0], hq * d
+    seg = k // segments
+    out = torch.empty(segments, 1, n, dtype=torch.float32, device=w.device)
+    pdl = programmatic(w)
+    _gemv_staged_kernel[(n // BLOCK_N, segments)](
+        w, tma_descriptor(w, [BLOCK_N, BLOCK_K]), w, out, 1, n, seg, k, n, n, part_acc, part_ml,
+        positions,
+        max_splits, c, HAS_BIAS=False, K_STEPS=seg // BLOCK_K,
+        STAGES=_stages(seg // BLOCK_K) - _MERGE_STAGES_LESS, ROWS=ROWS, PDL=pdl, MERGE=True, D=d,
+        SPLIT=split_size, MAX_MERGED=MAX_MERGED_SPLITS, num_warps=4, launch_pdl=pdl,
+        enable_fp_fusion=False)  # the merge kernel's flags
+    return out
+
+
+MAX_MERGED_SPLITS = 4  # decode contexts up to 4 splits (512 keys at 128-key splits) merge inside
+_MERGE_STAGES_LESS = 1  # one weight stage gives its shared memory to the merged row's scratch
+
+
+def merges(w: torch.Tensor, part_acc: torch.Tensor, segments: int) -> bool:
+    """Whether ``merged_partials`` takes o_proj ``w`` over these partials: one token, at most
+    MAX_MERGED_SPLITS splits, each chain a power-of-two number of whole heads in whole K tiles."""
+    _, hq, max_splits, d = part_acc.shape
+    k = hq * d
+    seg = k // segments
+    heads = seg // d
+    return (part_acc.shape[0] == 1 and max_splits <= MAX_MERGED_SPLITS and k == w.shape[1]
+            and k % segments == 0 and seg % d == 0 and seg % BLOCK_K == 0
+            and heads & (heads - 1) == 0 and d & (d - 1) == 0
+            and w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous()
+            and w.shape[0] % BLOCK_N == 0 and seg <= MAX_SEGMENT
+            and w.data_ptr() % 16 == 0 and _stages(seg // BLOCK_K) > _MERGE_STAGES_LESS)
