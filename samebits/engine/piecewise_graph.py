@@ -95,6 +95,8 @@ class _Splitter:
         self._cut()
         return self._o[:q.shape[0]]
 
+    attention_deferred = attention  # the shared output buffer, never a pending merge
+
 
 @contextlib.contextmanager
 def split_ops(model, q: torch.Tensor, o: torch.Tensor, cut: Callable[[], None]

@@ -40,6 +40,7 @@ from samebits.models.parallel import (
 from samebits.models.registry import architecture
 from samebits.models.weights import load_weights, packed_hf_names
 from samebits.ops.backend import AttentionMetadata, OpBackend
+from samebits.ops.pending_merge import PendingMerge
 from samebits.ops.pending_rank_sum import PendingRankSum, resolved
 
 Hidden = torch.Tensor | PendingRankSum  # a layer's o_proj / MLP output, as the next norm takes it
@@ -95,8 +96,9 @@ class Attention(nn.Module):
         # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
         q = ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
                                kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
-        o = ops.attention(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
-        return self.o_proj(ops, o.reshape(t, self.hq * self.d))  # [T, H]
+        attend = ops.attention_deferred if t == 1 else ops.attention  # a decode token: o_proj
+        o = attend(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)  # may merge its splits
+        return self.o_proj(ops, o if isinstance(o, PendingMerge) else o.reshape(t, -1))  # [T, H]
 
 
 class MLP(nn.Module):

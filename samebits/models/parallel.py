@@ -53,6 +53,7 @@ from samebits.ops.backend import (
     chain_bounds,
     rank_blocks_are_subtrees,
 )
+from samebits.ops.pending_merge import PendingMerge
 from samebits.ops.pending_rank_sum import PendingRankSum
 
 
@@ -213,12 +214,18 @@ class RowParallelLinear(nn.Module):
             return None
         return self.k_bounds
 
-    def forward(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
+    def forward(self, ops: OpBackend, x: torch.Tensor | PendingMerge
+                ) -> torch.Tensor | PendingRankSum:
+        """x: [..., K], or an attention output still to merge (``PendingMerge``: the backend's
+        ``linear_partials`` takes it, anything else resolves it first)."""
         if self.group.world_size == 1:
             chains = self.chains(ops)
             if (chains is not None and self._norm_sums(ops)
                     and x.shape[:-1].numel() <= ops.partials_into_norm_rows):
                 return PendingRankSum(ops.linear_partials(x, self.weight, chains), x.dtype)
+        if isinstance(x, PendingMerge):
+            x = x.resolve()
+        if self.group.world_size == 1:
             return ops.linear(x, self.weight, self.bias, k_bounds=chains)
         if not ops.batch_invariant:
             out = self.group.all_reduce_sum(ops.linear(x, self.weight))

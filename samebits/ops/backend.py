@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from samebits.ops.encoder import SeqLayout
+from samebits.ops.pending_merge import PendingMerge
 
 KBounds = tuple[tuple[int, int], ...]  # ordered, contiguous [lo, hi) ranges covering [0, K)
 
@@ -161,6 +162,13 @@ class OpBackend(Protocol):
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D]."""
+        ...
+
+    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                           ) -> torch.Tensor | PendingMerge:
+        """``attention`` of one token, or its split partials not yet merged (a ``PendingMerge``,
+        which this backend's ``linear_partials`` takes as x): the same bits either way."""
         ...
 
     # ---- encoder ops (BERT-style embedding models, samebits.ops.encoder) ------------------

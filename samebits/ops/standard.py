@@ -107,6 +107,8 @@ class StandardBackend(StandardEncoderOps):
                                                meta, [b], scale)[0]
         return out
 
+    attention_deferred = attention  # nothing to defer
+
 
 def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
           seqs: list[int], scale: float) -> torch.Tensor:

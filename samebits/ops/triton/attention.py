@@ -35,6 +35,7 @@ import torch
 import triton
 
 from samebits.ops.backend import AttentionMetadata
+from samebits.ops.pending_merge import PendingMerge
 from samebits.ops.triton.attention_kernels import (
     _merge_kernel,
     _merge_scan_kernel,
@@ -182,16 +183,43 @@ def _common(q: torch.Tensor, meta: AttentionMetadata, p: TritonAttentionPlan) ->
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
            p: TritonAttentionPlan, scale: float, out: torch.Tensor) -> None:
     """Rows ``p.dec_row`` of ``out``: the split kernel, then the merge kernel (flash-decoding)."""
-    n_dec = p.dec_row.shape[0]
-    if not n_dec:
+    if not p.dec_row.shape[0]:
         return
+    part_acc, part_ml = _split(q, k_cache, v_cache, meta, p, scale)
+    _merge(part_acc, part_ml, p, scale * LOG2E, out)
+
+
+def attention_deferred(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, max_splits: int
+                       ) -> torch.Tensor | PendingMerge:
+    """``attention`` of one decode token of at most ``max_splits`` splits, its merge left to
+    the consumer (``PendingMerge``); anything else: ``attention``."""
+    p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
+    if (q.shape[0] != 1 or p.tiles.shape[0] or p.dec_row.shape[0] != 1
+            or p.dec_max_splits > max_splits):
+        return attention(q, k_cache, v_cache, meta, scale)
+    part_acc, part_ml = _split(q, k_cache, v_cache, meta, p, scale)
+    c = scale * LOG2E
+
+    def merge() -> torch.Tensor:
+        out = torch.empty_like(q)
+        _merge(part_acc, part_ml, p, c, out)
+        return out.view(1, -1)
+
+    return PendingMerge(part_acc, part_ml, p.dec_pos, p.split_size, c, q.dtype, merge)
+
+
+def _split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, p: TritonAttentionPlan, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's partials (part_acc [n, Hq, S, D], part_ml [n, Hq, S, 2], fp32) of the
+    rows ``p.dec_row``."""
     _check(q, k_cache, v_cache)
+    n_dec = p.dec_row.shape[0]
     hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
-    c, bt = scale * LOG2E, meta.block_tables
+    c, bt, la = scale * LOG2E, meta.block_tables, p.launch
     part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
     part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
-    la = p.launch
-    stages = max(2, min(la.merge_stages, p.dec_max_splits))
     rows = max(16, triton.next_power_of_2(hq // hkv))
     pdl = dict(PDL=programmatic(q), launch_pdl=programmatic(q))
     if _gluon_decode_fits(q, meta, p, hq // hkv):
@@ -207,21 +235,32 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             q.stride(0), q.stride(1), bt.stride(0), k_cache.stride(1), hq * p.dec_max_splits,
             p.dec_max_splits, c, G=hq // hkv, ROWS=rows, **_common(q, meta, p),
             num_warps=la.split_warps, num_stages=la.split_stages, enable_fp_fusion=False, **pdl)
+    return part_acc, part_ml
+
+
+def _merge(part_acc: torch.Tensor, part_ml: torch.Tensor, p: TritonAttentionPlan, c: float,
+           out: torch.Tensor) -> None:
+    """Rows ``p.dec_row`` of ``out`` from the split partials: the merge kernel (or, with many
+    splits, the scan kernel: the same bits)."""
+    n_dec, hq, max_splits, d = part_acc.shape
+    la = p.launch
+    stages = max(2, min(la.merge_stages, max_splits))
+    pdl = dict(PDL=programmatic(part_acc), launch_pdl=programmatic(part_acc))
     scan = la.merge_scan
     if scan is None:  # measured (H100): the scan wins from ~64 splits, loses a little below
-        scan = p.dec_max_splits >= la.merge_scan_min_splits
+        scan = max_splits >= la.merge_scan_min_splits
     if scan:
         part_a = torch.empty_like(part_ml)
         _merge_scan_kernel[(n_dec, hq)](
-            part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
-            p.dec_max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
-            NS=triton.next_power_of_2(p.dec_max_splits), STAGES=stages,
+            part_acc, part_ml, part_a, p.dec_pos, p.dec_row, out, hq * max_splits,
+            max_splits, out.stride(0), out.stride(1), c, D=d, SPLIT=p.split_size,
+            NS=triton.next_power_of_2(max_splits), STAGES=stages,
             num_warps=la.merge_warps, enable_fp_fusion=False, **pdl)
     else:
         hb = la.merge_heads
         _merge_kernel[(n_dec, triton.cdiv(hq, hb))](
-            part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * p.dec_max_splits,
-            p.dec_max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
+            part_acc, part_ml, p.dec_pos, p.dec_row, out, hq * max_splits,
+            max_splits, out.stride(0), out.stride(1), c, hq, HB=hb, D=d,
             SPLIT=p.split_size, STAGES=stages,
             num_warps=la.merge_warps, enable_fp_fusion=False, **pdl)
 

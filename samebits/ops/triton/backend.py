@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from samebits.ops import encoder_cuda
 from samebits.ops.backend import AttentionMetadata, KBounds, paired_chains, register
 from samebits.ops.encoder import InvariantEncoderOps
+from samebits.ops.pending_merge import PendingMerge
 from samebits.ops.pending_rank_sum import PendingRankSum
 from samebits.ops.rope import qkv_rope_store as composed_prologue
 from samebits.ops.triton import (
@@ -75,9 +76,17 @@ class TritonBackend(InvariantEncoderOps):
             return gemv_staged.gemv_staged(x, w, b)
         return linear.linear(x, w, b, k_bounds)
 
-    def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
-                        ) -> torch.Tensor:
+    def linear_partials(self, x: torch.Tensor | PendingMerge, w: torch.Tensor,
+                        k_bounds: KBounds) -> torch.Tensor:
+        """``PendingMerge`` x (``attention_deferred``): the staged GEMV merges the partials
+        itself where it takes them, else the merge kernel runs first; the same bits."""
         segments = len(k_bounds)
+        if isinstance(x, PendingMerge):
+            if gemv_staged.merges(w, x.part_acc, segments) and \
+                    gemv_staged.even_bounds(k_bounds, w.shape[1]):
+                return gemv_staged.merged_partials(x.part_acc, x.part_ml, x.positions,
+                                                   x.split_size, x.c, w, segments)
+            x = x.resolve()
         if self.staged_gemv and gemv_staged.takes(x, w, None, segments, partials=True) and \
                 gemv_staged.even_bounds(k_bounds, x.shape[-1]):
             return gemv_staged.gemv_staged(x, w, segments=segments, partials=True)
@@ -155,6 +164,15 @@ class TritonBackend(InvariantEncoderOps):
                   meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
                   ) -> torch.Tensor:
         return attention.attention(q, k_cache, v_cache, meta, scale, out)
+
+    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor | PendingMerge:
+        """One decode token on Hopper with the staged GEMVs: its merge left to o_proj's GEMV
+        (``linear_partials``), up to ``gemv_staged.MAX_MERGED_SPLITS`` splits."""
+        if not (self.staged_gemv and launcher.programmatic(q)):  # in captured graphs only
+            return self.attention(q, k_cache, v_cache, meta, scale)
+        return attention.attention_deferred(q, k_cache, v_cache, meta, scale,
+                                            gemv_staged.MAX_MERGED_SPLITS)
 
     # encoder attention: fixed-shape torch products (samebits.ops.encoder_cuda)
     plan_encoder = staticmethod(encoder_cuda.plan_encoder)
