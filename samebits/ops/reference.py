@@ -244,13 +244,18 @@ class ReferenceBackend(InvariantEncoderOps):
     qkv_rope_store = staticmethod(qkv_rope_store)
     softmax = staticmethod(softmax)
     log_softmax = staticmethod(log_softmax)
-    attention = attention_deferred = staticmethod(attention)  # nothing to defer
+    attention = staticmethod(attention)
     plan_encoder = staticmethod(plan_encoder)
     encoder_attention = staticmethod(encoder_attention)
 
     @staticmethod
     def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
         return dataclasses.replace(meta, plan=_plan(meta))
+
+    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``attention`` (a subclass's, when it has its own): nothing to defer."""
+        return self.attention(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def weights_updated(model: torch.nn.Module) -> None:

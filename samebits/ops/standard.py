@@ -107,7 +107,10 @@ class StandardBackend(StandardEncoderOps):
                                                meta, [b], scale)[0]
         return out
 
-    attention_deferred = attention  # nothing to defer
+    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``attention`` (a subclass's, when it has its own): nothing to defer."""
+        return self.attention(q, k_cache, v_cache, meta, scale)
 
 
 def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

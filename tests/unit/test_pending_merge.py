@@ -72,3 +72,20 @@ def test_a_pending_merge_of_several_tokens_is_refused():
         PendingMerge(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 2),
                      torch.zeros(2, dtype=torch.int32), 128, 1.0, torch.float32,
                      lambda: torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("base", ["ReferenceBackend", "StandardBackend"])
+def test_attention_deferred_runs_a_subclass_own_attention(base):
+    """A backend with nothing to defer answers ``attention_deferred`` with its own ``attention``,
+    a subclass's override included (the CUDA standard backend's graph-safe attention)."""
+    from samebits.ops import reference, standard
+    parent = {"ReferenceBackend": reference.ReferenceBackend,
+              "StandardBackend": standard.StandardBackend}[base]
+    marker = torch.ones(1)
+
+    class Sub(parent):
+        def attention(self, *args):
+            return marker
+
+    assert Sub().attention_deferred(None, None, None, None, 1.0) is marker
+    assert parent.attention_deferred is not parent.attention
