@@ -64,6 +64,21 @@ def test_moe_gpu_alone_eager_equals_batch_64_with_cuda_graphs(reference):
     assert len(llm.engine.runner.graphs.graphs) > 0  # decode steps replayed graphs
 
 
+def test_moe_gpu_alone_with_graphs_merging_in_o_proj_equals_eager(reference, monkeypatch):
+    """Alone with CUDA graphs, each decode token's attention partials are merged inside o_proj's
+    staged GEMV (contexts up to 512): the same bits as the eager merge kernel + linear."""
+    from samebits.ops.triton import gemv_staged
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the staged GEMVs are Hopper's")
+    merged = gemv_staged.merged_partials
+    calls = []
+    monkeypatch.setattr(gemv_staged, "merged_partials",
+                        lambda *a, **k: calls.append(1) or merged(*a, **k))
+    reqs, want = reference
+    assert _diff(run_shuffled(_llm(max_num_seqs=1), reqs[:16], None), want[:16]) == []
+    assert calls  # captured into the decode graphs
+
+
 def test_moe_gpu_chunked_prefill_prefix_hits_and_score(reference):
     reqs, want = reference
     llm = _llm(max_num_seqs=16, max_num_batched_tokens=37)
