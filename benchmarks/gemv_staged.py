@@ -60,6 +60,7 @@ def measure(name: str, k: int, n: int, segs: int) -> None:
 def measure_merged(splits: int) -> None:
     """The attention merge + o_proj's two chains (the engine: the merge kernel, then the staged
     partials) against the staged GEMV merging the split partials itself, one decode token."""
+    from samebits.ops.pending_merge import PendingMerge
     from samebits.ops.triton.attention_kernels import _merge_kernel
     from samebits.ops.triton.gemv_staged import merged_partials
     hq, d, ms, c = 32, 128, splits, 0.1275
@@ -80,8 +81,10 @@ def measure_merged(splits: int) -> None:
                                PDL=pdl, num_warps=1, enable_fp_fusion=False, launch_pdl=pdl)
         return ops.linear_partials(out.view(1, hq * d), w, bounds)
 
+    pm = PendingMerge(part_acc, part_ml, pos, 128, c, torch.bfloat16, merge=lambda: out)
+
     def fused(w: torch.Tensor) -> torch.Tensor:
-        return merged_partials(part_acc, part_ml, pos, 128, c, w, 2)
+        return merged_partials(pm, w, 2)
 
     assert torch.equal(engine(ws[0]), fused(ws[0]))
     base, new = pair_us(engine, ws), pair_us(fused, ws)

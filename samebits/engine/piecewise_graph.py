@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from samebits.engine.cuda_graph import Staging, gc_paused, rounded_up
-from samebits.ops.backend import AttentionMetadata
+from samebits.ops.backend import AttentionMetadata, NothingDeferred
 
 log = logging.getLogger("samebits.engine")
 
@@ -70,7 +70,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets[:-1] + [min(buckets[-1], max_tokens)]
 
 
-class _Splitter:
+class _Splitter(NothingDeferred):
     """Stands in for ``model.ops`` while a bucket's forward is warmed up or captured: every op
     is the backend's, but the attention prologue writes q into the shared buffer, and the
     attention is not run -- it records its layer's operands, calls ``cut`` (the capture ends its
@@ -95,7 +95,6 @@ class _Splitter:
         self._cut()
         return self._o[:q.shape[0]]
 
-    attention_deferred = attention  # the shared output buffer, never a pending merge
 
 
 @contextlib.contextmanager

@@ -96,9 +96,12 @@ class Attention(nn.Module):
         # q/k norm (Qwen3), RoPE, K/V into the cache; q [T, Hq, D]
         q = ops.qkv_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, kv_cache[0],
                                kv_cache[1], meta.slot_mapping, self.hq, self.hkv, self.d)
-        attend = ops.attention_deferred if t == 1 else ops.attention  # a decode token: o_proj
-        o = attend(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)  # may merge its splits
-        return self.o_proj(ops, o if isinstance(o, PendingMerge) else o.reshape(t, -1))  # [T, H]
+        # one token: its attention may come unmerged (a PendingMerge), for o_proj to merge
+        attend = ops.attention_deferred if t == 1 else ops.attention
+        o = attend(q, kv_cache[0], kv_cache[1], meta, self.d ** -0.5)
+        if not isinstance(o, PendingMerge):
+            o = o.reshape(t, self.hq * self.d)
+        return self.o_proj(ops, o)  # [T, H]
 
 
 class MLP(nn.Module):

@@ -219,18 +219,25 @@ class RowParallelLinear(nn.Module):
         """x: [..., K], or an attention output still to merge (``PendingMerge``: the backend's
         ``linear_partials`` takes it, anything else resolves it first)."""
         if self.group.world_size == 1:
-            chains = self.chains(ops)
-            if (chains is not None and self._norm_sums(ops)
-                    and x.shape[:-1].numel() <= ops.partials_into_norm_rows):
-                return PendingRankSum(ops.linear_partials(x, self.weight, chains), x.dtype)
+            return self._one_device(ops, x)
         if isinstance(x, PendingMerge):
             x = x.resolve()
-        if self.group.world_size == 1:
-            return ops.linear(x, self.weight, self.bias, k_bounds=chains)
         if not ops.batch_invariant:
             out = self.group.all_reduce_sum(ops.linear(x, self.weight))
             return out if self.bias is None else out + self.bias
         return self.gathered(ops, x)
+
+    def _one_device(self, ops: OpBackend, x: torch.Tensor | PendingMerge
+                    ) -> torch.Tensor | PendingRankSum:
+        """The chains' partials left to the next norm where it sums them (a PendingMerge x
+        handed to ``linear_partials`` as it is), else the product."""
+        chains = self.chains(ops)
+        if (chains is not None and self._norm_sums(ops)
+                and x.shape[:-1].numel() <= ops.partials_into_norm_rows):
+            return PendingRankSum(ops.linear_partials(x, self.weight, chains), x.dtype)
+        if isinstance(x, PendingMerge):
+            x = x.resolve()
+        return ops.linear(x, self.weight, self.bias, k_bounds=chains)
 
     def gathered(self, ops: OpBackend, x: torch.Tensor) -> torch.Tensor | PendingRankSum:
         """The C chain partials tree-summed, cast, then the bias: the bits of

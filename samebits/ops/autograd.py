@@ -29,7 +29,13 @@ from functools import partial
 import torch
 
 from samebits.ops import rope
-from samebits.ops.backend import AttentionMetadata, KBounds, OpBackend, norm_with_residual
+from samebits.ops.backend import (
+    AttentionMetadata,
+    KBounds,
+    NothingDeferred,
+    OpBackend,
+    norm_with_residual,
+)
 
 __all__ = ["DifferentiableOps", "invariant_apply", "attention_reference", "attention_sdpa",
            "attention_vjp", "rms_norm_reference", "silu_mul_reference"]
@@ -330,7 +336,7 @@ def _needs_grad(*xs: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-class DifferentiableOps:
+class DifferentiableOps(NothingDeferred):
     """An ``OpBackend`` whose ops are ``inner``'s kernels (same bits) with a backward."""
 
     def __init__(self, inner: OpBackend) -> None:
@@ -396,4 +402,3 @@ class DifferentiableOps:
         return invariant_apply(partial(self.inner.attention, meta=meta, scale=scale),
                                attention_vjp(q, meta, scale), q, k_cache, v_cache)
 
-    attention_deferred = attention  # the differentiable output, always

@@ -75,6 +75,15 @@ class AttentionMetadata:
         return len(self.seq_lens_list)
 
 
+class NothingDeferred:
+    """``attention_deferred`` for a backend that never defers: its own ``attention`` (a
+    subclass's override included)."""
+
+    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.attention(q, k_cache, v_cache, meta, scale)
+
+
 class OpBackend(Protocol):
     """What a model needs from the numerics. ``x`` rows are tokens; all reductions over the last dim."""
 
@@ -101,10 +110,11 @@ class OpBackend(Protocol):
         ``k_bounds`` when given (module docstring)."""
         ...
 
-    def linear_partials(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds
-                        ) -> torch.Tensor:
+    def linear_partials(self, x: torch.Tensor | PendingMerge, w: torch.Tensor,
+                        k_bounds: KBounds) -> torch.Tensor:
         """The partial product of each K segment, [S, ..., N] in the accumulation dtype: what
-        ``linear(x, w, k_bounds=k_bounds)`` adds in ``tree_sum``'s order."""
+        ``linear(x, w, k_bounds=k_bounds)`` adds in ``tree_sum``'s order. x may be this
+        backend's ``attention_deferred`` output (merged here, or resolved first)."""
         ...
 
     def linear_sum(self, x: torch.Tensor, w: torch.Tensor, k_bounds: KBounds,

@@ -14,8 +14,11 @@ from collections.abc import Callable
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PendingMerge:
+    """Invariant: ``positions[0] // split_size < S`` -- every split the token has is in the
+    partials (the split kernel wrote it); a consumer merges exactly those."""
+
     part_acc: torch.Tensor  # [1, Hq, S, D] fp32: each split's unnormalized output
     part_ml: torch.Tensor  # [1, Hq, S, 2] fp32: each split's (row max, sum)
     positions: torch.Tensor  # [1] int32: the token's position (splits 0..pos // split_size)

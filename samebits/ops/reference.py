@@ -29,6 +29,7 @@ from samebits.ops import cpu_kernels, rope
 from samebits.ops.backend import (
     AttentionMetadata,
     KBounds,
+    NothingDeferred,
     check_k_bounds,
     check_sum_outs,
     every_segment,
@@ -227,7 +228,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
 
 
 @register("cpu", True)
-class ReferenceBackend(InvariantEncoderOps):
+class ReferenceBackend(InvariantEncoderOps, NothingDeferred):
     # the constants that decide the bits enter the CPU fingerprint through this name
     name = f"reference-cpu|tile_m={TILE_M}|{cpu_kernels.ARITHMETIC}"
     batch_invariant = True
@@ -251,11 +252,6 @@ class ReferenceBackend(InvariantEncoderOps):
     @staticmethod
     def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
         return dataclasses.replace(meta, plan=_plan(meta))
-
-    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``attention`` (a subclass's, when it has its own): nothing to defer."""
-        return self.attention(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def weights_updated(model: torch.nn.Module) -> None:

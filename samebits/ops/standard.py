@@ -15,6 +15,7 @@ from samebits.ops import rope
 from samebits.ops.backend import (
     AttentionMetadata,
     KBounds,
+    NothingDeferred,
     check_sum_outs,
     into_sum_outs,
     norm_with_residual,
@@ -27,7 +28,7 @@ from samebits.ops.encoder import StandardEncoderOps
 
 
 @register("cpu", False)
-class StandardBackend(StandardEncoderOps):
+class StandardBackend(StandardEncoderOps, NothingDeferred):
     name = "standard"
     batch_invariant = False
     row_parallel_chains = staticmethod(one_chain_per_rank)  # stock kernels pick the K order
@@ -106,11 +107,6 @@ class StandardBackend(StandardEncoderOps):
                 out[qsl[b]:qsl[b + 1]] = _sdpa(q[None, qsl[b]:qsl[b + 1]], k_cache, v_cache,
                                                meta, [b], scale)[0]
         return out
-
-    def attention_deferred(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``attention`` (a subclass's, when it has its own): nothing to defer."""
-        return self.attention(q, k_cache, v_cache, meta, scale)
 
 
 def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

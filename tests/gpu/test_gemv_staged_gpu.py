@@ -3,11 +3,15 @@
 Its rows are the bits of ``linear.linear`` (one K chain, the bias in fp32, one cast) and its partials the
 bits of ``linear.partials`` (o_proj's two chains), at 1-16 rows; in a CUDA graph with
 programmatic launch, a chain of staged GEMVs (each reading the previous one's output, its weights
-loaded before its wait) equals the same chain launched eagerly. The checks can fail: another K
-chaining of the same product gives other bits.
+loaded before its wait) equals the same chain launched eagerly. Merged o_proj (a decode token's
+split partials merged inside the GEMV) is the bits of the merge kernel + ``linear.partials`` at
+1-4 splits, head dims 64 and 128, bf16 and fp16, in a graph replayed on new partials and
+positions. The checks can fail: another K chaining, or one split fewer, gives other bits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,8 +21,14 @@ pytestmark = pytest.mark.skipif(
     reason="needs a Hopper GPU")
 
 from samebits.ops.backend import row_parallel_bounds  # noqa: E402
+from samebits.ops.pending_merge import PendingMerge  # noqa: E402
 from samebits.ops.triton import launcher, linear  # noqa: E402
-from samebits.ops.triton.gemv_staged import gemv_staged, supports  # noqa: E402
+from samebits.ops.triton.gemv_staged import (  # noqa: E402
+    gemv_staged,
+    merged_partials,
+    merges,
+    supports,
+)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -121,63 +131,95 @@ def test_staged_chain_in_a_graph_equals_the_chain_in_stream_order():
     assert not torch.equal(got, want)  # new inputs: the replay did not return stale rows
 
 
-def _merge_then_partials(part_acc, part_ml, positions, w, c):
+def _merge_then_partials(pm, w, segments=2):
     """The engine's path: the merge kernel (attention.decode's launch for one token), then
-    ``linear.partials`` over o_proj's two chains."""
+    ``linear.partials`` over o_proj's chains."""
     from samebits.ops.triton.attention_kernels import _merge_kernel
-    _, hq, ms, d = part_acc.shape
-    out = torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    _, hq, ms, d = pm.part_acc.shape
+    out = torch.empty(1, hq, d, dtype=pm.dtype, device="cuda")
     rows = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _merge_kernel[(1, hq)](part_acc, part_ml, positions, rows, out, hq * ms, ms, out.stride(0),
-                           out.stride(1), c, hq, HB=1, D=d, SPLIT=128, STAGES=2, PDL=False,
-                           num_warps=1, enable_fp_fusion=False)
-    return linear.partials(out.view(1, hq * d), w, row_parallel_bounds(hq * d, 2))
+    _merge_kernel[(1, hq)](pm.part_acc, pm.part_ml, pm.positions, rows, out, hq * ms, ms,
+                           out.stride(0), out.stride(1), pm.c, hq, HB=1, D=d, SPLIT=128, STAGES=2,
+                           PDL=False, num_warps=1, enable_fp_fusion=False)
+    return linear.partials(out.view(1, hq * d), w, row_parallel_bounds(hq * d, segments))
 
 
-def _partials(pos: int, seed: int, max_splits: int = 4):
+def _pending(pos: int, seed: int, c: float, max_splits: int = 4, hq: int = 32, d: int = 128,
+             dtype: torch.dtype = torch.bfloat16) -> PendingMerge:
+    """Split partials of one token at ``pos`` (splits past its count NaN: never read)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    part_acc = torch.randn(1, 32, max_splits, 128, generator=g, device="cuda")
-    m = torch.randn(1, 32, max_splits, generator=g, device="cuda") * 4
-    sums = torch.rand(1, 32, max_splits, generator=g, device="cuda") * 60 + 0.5
+    part_acc = torch.randn(1, hq, max_splits, d, generator=g, device="cuda")
+    m = torch.randn(1, hq, max_splits, generator=g, device="cuda") * 4
+    sums = torch.rand(1, hq, max_splits, generator=g, device="cuda") * 60 + 0.5
     part_ml = torch.stack([m, sums], -1)
     n = pos // 128 + 1
-    part_acc[:, :, n:] = float("nan")  # splits past the token's: never read into the result
+    part_acc[:, :, n:] = float("nan")
     part_ml[:, :, n:] = float("nan")
-    return part_acc, part_ml, torch.tensor([pos], dtype=torch.int32, device="cuda")
+    positions = torch.tensor([pos], dtype=torch.int32, device="cuda")
+    return PendingMerge(part_acc, part_ml, positions, 128, c, dtype, merge=_no_merge)
+
+
+def _no_merge() -> torch.Tensor:
+    raise AssertionError("the merged GEMV resolved its input")
+
+
+C = 0.0883883 * 1.4426950408889634  # head dim 128's softmax scale * log2(e)
 
 
 @pytest.mark.parametrize("pos", [0, 100, 127, 128, 300, 511])
 def test_merged_partials_are_the_bits_of_the_merge_then_linear_partials(pos):
-    from samebits.ops.triton.gemv_staged import merged_partials, merges
-    w, c = _rand(2048, 4096, scale=1 / 64, seed=30), 0.0883883 * 1.4426950408889634
-    part_acc, part_ml, positions = _partials(pos, seed=31)
-    assert merges(w, part_acc, 2)
-    want = _merge_then_partials(part_acc, part_ml, positions, w, c)
-    assert _same_bits(merged_partials(part_acc, part_ml, positions, 128, c, w, 2), want)
+    w = _rand(2048, 4096, scale=1 / 64, seed=30)
+    pm = _pending(pos, seed=31, c=C)
+    assert merges(w, pm, 2)
+    want = _merge_then_partials(pm, w)
+    assert _same_bits(merged_partials(pm, w, 2), want)
     if pos >= 128:  # the check can fail: merging one split fewer gives other bits
-        short = torch.tensor([pos - 128], dtype=torch.int32, device="cuda")
-        assert not torch.equal(merged_partials(part_acc, part_ml, short, 128, c, w, 2), want)
+        short = dataclasses.replace(pm, positions=pm.positions - 128)
+        assert not torch.equal(merged_partials(short, w, 2), want)
 
 
-def test_merged_partials_in_a_graph_read_this_steps_partials():
-    from samebits.ops.triton.gemv_staged import merged_partials
-    w, c = _rand(2048, 4096, scale=1 / 64, seed=40), 0.125
-    part_acc, part_ml, positions = _partials(300, seed=41)
-    src_acc, src_ml = part_acc.clone(), part_ml.clone()
+@pytest.mark.parametrize("max_splits,hq,d,segments,dtype", [
+    (1, 32, 128, 2, torch.bfloat16), (2, 32, 128, 2, torch.bfloat16),
+    (4, 32, 128, 2, torch.float16), (4, 32, 64, 2, torch.bfloat16),
+    (4, 16, 128, 1, torch.bfloat16), (4, 64, 64, 4, torch.bfloat16)])
+def test_merged_partials_match_at_every_split_count_head_size_and_dtype(max_splits, hq, d,
+                                                                       segments, dtype):
+    w = _rand(1024, hq * d, scale=1 / 64, seed=32).to(dtype)
+    for pos in (0, max_splits * 128 - 1):
+        pm = _pending(pos, seed=33 + pos, c=d ** -0.5 * 1.4426950408889634, hq=hq, d=d,
+                      max_splits=max_splits, dtype=dtype)
+        assert merges(w, pm, segments)
+        assert _same_bits(merged_partials(pm, w, segments), _merge_then_partials(pm, w, segments))
+
+
+def test_merges_refuses_what_it_cannot_merge():
+    w = _rand(2048, 4096, scale=1 / 64, seed=34)
+    pm = _pending(0, seed=35, c=C)
+    assert not merges(w, _pending(0, seed=35, c=C, max_splits=8), 2)  # too many splits
+    assert not merges(w.half(), pm, 2)  # the attention's dtype is bf16
+    assert not merges(_rand(128, 4096, seed=36), pm, 2)  # a narrow product
+    assert not merges(w, pm, 3)  # chains not whole heads in whole tiles
+
+
+def test_merged_partials_in_a_graph_read_this_steps_partials_and_position():
+    w = _rand(2048, 4096, scale=1 / 64, seed=40)
+    pm = _pending(300, seed=41, c=0.125)
+    src_acc, src_ml = pm.part_acc.clone(), pm.part_ml.clone()
 
     def step():  # a kernel writes the partials right before the GEMV (as the split kernel does)
-        part_acc.copy_(src_acc)
-        part_ml.copy_(src_ml)
-        return merged_partials(part_acc, part_ml, positions, 128, c, w, 2)
+        pm.part_acc.copy_(src_acc)
+        pm.part_ml.copy_(src_ml)
+        return merged_partials(pm, w, 2)
 
     with launcher.as_captured():
         step()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g), launcher.as_captured():
         got = step()
-    for seed in (42, 43):
-        new_acc, new_ml, _ = _partials(300, seed=seed)
-        src_acc.copy_(new_acc)
-        src_ml.copy_(new_ml)
+    for seed, pos in ((42, 300), (43, 130), (44, 511), (45, 5)):
+        new = _pending(pos, seed=seed, c=0.125)
+        src_acc.copy_(new.part_acc)
+        src_ml.copy_(new.part_ml)
+        pm.positions.copy_(new.positions)  # the step's metadata: written before the graph runs
         g.replay()
-        assert _same_bits(got, _merge_then_partials(new_acc, new_ml, positions, w, c)), seed
+        assert _same_bits(got, _merge_then_partials(new, w)), (seed, pos)

@@ -185,8 +185,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """Rows ``p.dec_row`` of ``out``: the split kernel, then the merge kernel (flash-decoding)."""
     if not p.dec_row.shape[0]:
         return
-    part_acc, part_ml = _split(q, k_cache, v_cache, meta, p, scale)
-    _merge(part_acc, part_ml, p, scale * LOG2E, out)
+    c = scale * LOG2E
+    _merge(*_split(q, k_cache, v_cache, meta, p, c), p, c, out)
 
 
 def attention_deferred(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -195,11 +195,10 @@ def attention_deferred(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """``attention`` of one decode token of at most ``max_splits`` splits, its merge left to
     the consumer (``PendingMerge``); anything else: ``attention``."""
     p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
-    if (q.shape[0] != 1 or p.tiles.shape[0] or p.dec_row.shape[0] != 1
-            or p.dec_max_splits > max_splits):
+    if p.tiles.shape[0] or p.dec_row.shape[0] != 1 or p.dec_max_splits > max_splits:
         return attention(q, k_cache, v_cache, meta, scale)
-    part_acc, part_ml = _split(q, k_cache, v_cache, meta, p, scale)
     c = scale * LOG2E
+    part_acc, part_ml = _split(q, k_cache, v_cache, meta, p, c)
 
     def merge() -> torch.Tensor:
         out = torch.empty_like(q)
@@ -210,14 +209,14 @@ def attention_deferred(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def _split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, p: TritonAttentionPlan, scale: float
+           meta: AttentionMetadata, p: TritonAttentionPlan, c: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel's partials (part_acc [n, Hq, S, D], part_ml [n, Hq, S, 2], fp32) of the
-    rows ``p.dec_row``."""
+    rows ``p.dec_row``; ``c``: the softmax scale * log2(e)."""
     _check(q, k_cache, v_cache)
     n_dec = p.dec_row.shape[0]
     hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
-    c, bt, la = scale * LOG2E, meta.block_tables, p.launch
+    bt, la = meta.block_tables, p.launch
     part_acc = q.new_empty(n_dec, hq, p.dec_max_splits, d, dtype=torch.float32)
     part_ml = q.new_empty(n_dec, hq, p.dec_max_splits, 2, dtype=torch.float32)
     rows = max(16, triton.next_power_of_2(hq // hkv))

@@ -82,10 +82,9 @@ class TritonBackend(InvariantEncoderOps):
         itself where it takes them, else the merge kernel runs first; the same bits."""
         segments = len(k_bounds)
         if isinstance(x, PendingMerge):
-            if gemv_staged.merges(w, x.part_acc, segments) and \
+            if gemv_staged.merges(w, x, segments) and \
                     gemv_staged.even_bounds(k_bounds, w.shape[1]):
-                return gemv_staged.merged_partials(x.part_acc, x.part_ml, x.positions,
-                                                   x.split_size, x.c, w, segments)
+                return gemv_staged.merged_partials(x, w, segments)
             x = x.resolve()
         if self.staged_gemv and gemv_staged.takes(x, w, None, segments, partials=True) and \
                 gemv_staged.even_bounds(k_bounds, x.shape[-1]):

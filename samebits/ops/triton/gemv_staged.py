@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from samebits.ops.backend import KBounds
+from samebits.ops.pending_merge import PendingMerge
 from samebits.ops.triton.attention_gluon import tma_descriptor
 from samebits.ops.triton.launcher import gdc_launch_dependents, gdc_wait, programmatic
 from samebits.ops.triton.linear_tiles import SMEM_BYTES
@@ -50,6 +51,8 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 ROWS, MIN_N, MAX_N, MAX_SEGMENT = 8, 512, 24576, 2048
 BLOCK_N, BLOCK_K, MAX_STAGES = 64, 256, 6  # wide: 64 weight rows a program, 256-column tiles
 NARROW_N, X_ROWS, MAX_X_STAGES = 16, 64, 4  # narrow (N < MIN_N): 16 weight rows a program
+MAX_MERGED_SPLITS = 4  # decode contexts up to 4 splits (512 keys at 128-key splits) merge inside
+_MERGE_STAGES_LESS = 1  # one weight stage gives its shared memory to the merged row's scratch
 
 
 @gluon.jit
@@ -70,7 +73,22 @@ def _store(acc, out_ptr, b_ptr, m, n, M, N, stride_om, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, r, cc, fill: gl.constexpr,
+def _stage_rows(x_ptr, stride_xm, M, k0, x_smem, fill: gl.constexpr):
+    """The input rows [0, M) of the segment from k0 into the padded tiles (rows >= M zero)."""
+    K_STEPS: gl.constexpr = x_smem.shape[0]
+    ROWS: gl.constexpr = x_smem.shape[1]
+    BLOCK_K: gl.constexpr = x_smem.shape[2]
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill))
+    cc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, fill))
+    for i in gl.static_range(K_STEPS):
+        cols = k0 + i * BLOCK_K + cc
+        xt = gl.load(x_ptr + r[:, None] * stride_xm + cols[None, :], mask=(r < M)[:, None],
+                     other=0.0)
+        x_smem.index(i).store(xt)
+
+
+@gluon.jit
+def _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, fill: gl.constexpr,
                   D: gl.constexpr, SPLIT: gl.constexpr, MAX_MERGED: gl.constexpr):
     """Row 0 of the padded input tiles (rows 1.. zero) = the merge of token 0's splits 0..pos //
     SPLIT (at most MAX_MERGED) for the segment's heads: ``attention_kernels._merge_splits``'
@@ -105,8 +123,10 @@ def _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, r, cc, fil
     scratch = gl.allocate_shared_memory(x_smem.dtype, [HS, D],
                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]), x)
     _cta_barrier()
-    steps = scratch.reshape([K_STEPS, BLOCK_K])
-    for i in gl.static_range(K_STEPS):  # heads (2i, 2i + 1) are K step i's columns
+    steps = scratch.reshape([K_STEPS, BLOCK_K])  # K step i: BLOCK_K // D heads' columns
+    ROWS: gl.constexpr = x_smem.shape[1]
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill))
+    for i in gl.static_range(K_STEPS):
         row = steps.slice(i, 1).load(fill)  # [1, BLOCK_K]
         x_smem.index(i).store(gl.where((r == 0)[:, None], row, 0.0).to(x_smem.dtype))
 
@@ -117,11 +137,11 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, s
                         HAS_BIAS: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
                         ROWS: gl.constexpr, PDL: gl.constexpr, MERGE: gl.constexpr = False,
                         D: gl.constexpr = 128, SPLIT: gl.constexpr = 128,
-                        MAX_MERGED: gl.constexpr = 4):
+                        MAX_MERGED: gl.constexpr = MAX_MERGED_SPLITS):
     """Program (n-tile ``program_id(0)``, K segment ``program_id(1)``): rows [n0, n0 + BLOCK_N)
     of out^T over columns [seg K_SEG, (seg + 1) K_SEG) of x's first M rows (M <= ROWS).
     MERGE (M = 1): x is the attention's output, merged here from the decode split partials
-    (``_stage_merged``) instead of read."""
+    (``_stage_merged``; D, SPLIT, MAX_MERGED its shapes) instead of read."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     dtype: gl.constexpr = w_desc.dtype
@@ -143,19 +163,13 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, M, N, K_SEG, stride_xm, s
         gdc_wait()
         gdc_launch_dependents()
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill))
-    cc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, fill))
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], dtype)
     x_smem = gl.allocate_shared_memory(dtype, [K_STEPS, ROWS, BLOCK_K], x_layout)
     if MERGE:
-        _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, r, cc, fill, D, SPLIT,
+        _stage_merged(part_acc, part_ml, pos, max_splits, c, seg, x_smem, fill, D, SPLIT,
                       MAX_MERGED)
     else:
-        for i in gl.static_range(K_STEPS):  # the input rows of the whole segment, rows >= M 0
-            cols = k0 + i * BLOCK_K + cc
-            xt = gl.load(x_ptr + r[:, None] * stride_xm + cols[None, :],
-                         mask=(r < M)[:, None], other=0.0)
-            x_smem.index(i).store(xt)
+        _stage_rows(x_ptr, stride_xm, M, k0, x_smem, fill)
     fence_async_shared()
     _cta_barrier()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
@@ -285,8 +299,9 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     pdl = programmatic(x)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
         x, tma_descriptor(w, [BLOCK_N, BLOCK_K]), b if b is not None else x, out, m, n, seg,
-        x.stride(0), n, m * n, out, out, x, 1, 1.0, HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K,
-        STAGES=_stages(seg // BLOCK_K), ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x.stride(0), n, m * n, part_acc=out, part_ml=out, pos_ptr=x, max_splits=1, c=1.0,
+        HAS_BIAS=b is not None, K_STEPS=seg // BLOCK_K, STAGES=_stages(seg // BLOCK_K),
+        ROWS=ROWS, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -302,41 +317,39 @@ def _narrow(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return out
 
 
-def merged_partials(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor,
-                    split_size: int, c: float, w: torch.Tensor, segments: int) -> torch.Tensor:
-    """``linear.partials(merge(...), w, segments equal K chains)`` -> [S, 1, N] fp32 for one
+def merged_partials(pm: PendingMerge, w: torch.Tensor, segments: int) -> torch.Tensor:
+    """``linear.partials(pm.resolve(), w, segments equal K chains)`` -> [S, 1, N] fp32 for one
     decode token: its attention output merged inside the GEMV from the split kernel's partials
-    ``part_acc`` [1, Hq, max_splits, D] / ``part_ml`` [1, Hq, max_splits, 2] (splits 0..
-    positions[0] // split_size, at most ``MAX_MERGED_SPLITS``). ``merges`` must hold."""
-    _, hq, max_splits, d = part_acc.shape
+    (``pm.part_acc`` [1, Hq, max_splits, D], ``pm.part_ml`` [1, Hq, max_splits, 2]: splits 0..
+    positions[0] // split_size). ``merges`` must hold."""
+    _, hq, max_splits, d = pm.part_acc.shape
     n, k = w.shape[0], hq * d
     seg = k // segments
     out = torch.empty(segments, 1, n, dtype=torch.float32, device=w.device)
     pdl = programmatic(w)
     _gemv_staged_kernel[(n // BLOCK_N, segments)](
-        w, tma_descriptor(w, [BLOCK_N, BLOCK_K]), w, out, 1, n, seg, k, n, n, part_acc, part_ml,
-        positions,
-        max_splits, c, HAS_BIAS=False, K_STEPS=seg // BLOCK_K,
+        w, tma_descriptor(w, [BLOCK_N, BLOCK_K]), w, out, 1, n, seg, k, n, n,
+        part_acc=pm.part_acc, part_ml=pm.part_ml, pos_ptr=pm.positions, max_splits=max_splits,
+        c=pm.c, HAS_BIAS=False, K_STEPS=seg // BLOCK_K,
         STAGES=_stages(seg // BLOCK_K) - _MERGE_STAGES_LESS, ROWS=ROWS, PDL=pdl, MERGE=True, D=d,
-        SPLIT=split_size, MAX_MERGED=MAX_MERGED_SPLITS, num_warps=4, launch_pdl=pdl,
+        SPLIT=pm.split_size, num_warps=4, launch_pdl=pdl,
         enable_fp_fusion=False)  # the merge kernel's flags
     return out
 
 
-MAX_MERGED_SPLITS = 4  # decode contexts up to 4 splits (512 keys at 128-key splits) merge inside
-_MERGE_STAGES_LESS = 1  # one weight stage gives its shared memory to the merged row's scratch
-
-
-def merges(w: torch.Tensor, part_acc: torch.Tensor, segments: int) -> bool:
-    """Whether ``merged_partials`` takes o_proj ``w`` over these partials: one token, at most
-    MAX_MERGED_SPLITS splits, each chain a power-of-two number of whole heads in whole K tiles."""
-    _, hq, max_splits, d = part_acc.shape
-    k = hq * d
+def merges(w: torch.Tensor, pm: PendingMerge, segments: int) -> bool:
+    """Whether ``merged_partials`` takes o_proj ``w`` over ``pm``: at most MAX_MERGED_SPLITS
+    splits, w a wide product in the attention's dtype on its device, each chain a power-of-two
+    number of whole heads in whole K tiles."""
+    _, hq, max_splits, d = pm.part_acc.shape
+    k, n = hq * d, w.shape[0]
     seg = k // segments
     heads = seg // d
-    return (part_acc.shape[0] == 1 and max_splits <= MAX_MERGED_SPLITS and k == w.shape[1]
+    return (max_splits <= MAX_MERGED_SPLITS and w.dim() == 2 and k == w.shape[1]
+            and w.dtype == pm.dtype and w.dtype in (torch.bfloat16, torch.float16)
+            and w.device == pm.part_acc.device and w.is_cuda
             and k % segments == 0 and seg % d == 0 and seg % BLOCK_K == 0
             and heads & (heads - 1) == 0 and d & (d - 1) == 0
-            and w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous()
-            and w.shape[0] % BLOCK_N == 0 and seg <= MAX_SEGMENT
-            and w.data_ptr() % 16 == 0 and _stages(seg // BLOCK_K) > _MERGE_STAGES_LESS)
+            and w.is_contiguous() and MIN_N <= n < MAX_N and n % BLOCK_N == 0
+            and seg <= MAX_SEGMENT and w.data_ptr() % 16 == 0
+            and _stages(seg // BLOCK_K) > _MERGE_STAGES_LESS)
