@@ -156,11 +156,26 @@ def linear(x: torch.Tensor, wp: torch.Tensor, n: int,
     return torch.ops.samebits_cpu.linear(x, wp, n, k_bounds)
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of h, h) for x [M, H] contiguous, h = x or x + residual: each row's sum of
+    squares in 8 lane chains summed by a fixed tree, then ``w * (h * (1 / sqrt(mean + eps)))``."""
+    load()
+    return torch.ops.samebits_cpu.rms_norm(x, w, eps, residual)
+
+
 def set_vectorized(on: bool) -> bool:
     """Let the kernels use AVX2 (default) or only their scalar paths; returns the previous setting.
     Both give the same bits (for tests)."""
     load()
     return torch.ops.samebits_cpu.set_vectorized(on)
+
+
+def set_avx512(on: bool) -> bool:
+    """Let the linear use AVX-512 where the CPU has it (default) or keep to AVX2; returns the
+    previous setting. Both give the same bits (for tests)."""
+    load()
+    return torch.ops.samebits_cpu.set_avx512(on)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,8 +15,8 @@
 //   l_s = sum of p in key order; acc_s[d] = fma chain of p * v[d] in key order. Splits merge in
 //   ascending order: m' = max(m, m_s), a = exp(m - m'), b = exp(m_s - m'),
 //   acc = fma(acc_s, b, acc * a), l = fma(l_s, b, l * a); out = acc / l.
-// The AVX2 paths and the scalar paths perform the same IEEE operations (true fma), so they give
-// the same bits; the AVX2 path is taken when the CPU has it.
+// The AVX-512, AVX2 and scalar paths perform the same IEEE operations (true fma), so they give
+// the same bits; the widest the CPU has is taken (AVX-512: the linear only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -35,7 +36,7 @@ constexpr int LANES = 8;    // dot-product lanes of the attention scores
 
 // A call with less work than this (flops) runs on the calling thread: waking the other threads
 // costs more, and on an oversubscribed machine a parallel region can wait a whole time slice.
-constexpr int64_t PARALLEL_MIN_FLOP = int64_t(1) << 22;
+constexpr int64_t PARALLEL_MIN_FLOP = int64_t(1) << 18;
 
 // at::parallel_for's grain (items per thread at least) for items of flop_per_item each
 int64_t grain(int64_t flop_per_item) {
@@ -43,15 +44,27 @@ int64_t grain(int64_t flop_per_item) {
 }
 
 bool g_vectorize = true;  // off: the scalar paths run (tests prove both give the same bits)
+bool g_avx512 = true;     // off: the linear's AVX2 path runs where AVX-512 would (the same bits)
 
 bool has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok && g_vectorize;
 }
 
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok && g_avx512 && has_avx2();
+}
+
 bool set_vectorized(bool on) {
   const bool before = g_vectorize;
   g_vectorize = on;
+  return before;
+}
+
+bool set_avx512(bool on) {
+  const bool before = g_avx512;
+  g_avx512 = on;
   return before;
 }
 
@@ -96,11 +109,51 @@ __attribute__((target("avx2,fma"))) void linear_tile_avx2(const float* x, int64_
     for (int i = 0; i < 6; ++i) _mm256_storeu_ps(acc + r * NB + 8 * i, a[r][i]);
 }
 
+// linear_tile_avx2's chains in 16 lanes: a row's 48 columns in 3 registers
+template <int R>
+__attribute__((target("avx512f"))) void linear_tile_avx512(const float* x, int64_t ldx,
+                                                           const float* wp, int64_t k0,
+                                                           int64_t k1, float* acc) {
+  __m512 a[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 3; ++i) a[r][i] = _mm512_loadu_ps(acc + r * NB + 16 * i);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = wp + k * NB;
+    __m512 b[R];
+    for (int r = 0; r < R; ++r) b[r] = _mm512_set1_ps(x[r * ldx + k]);
+    for (int i = 0; i < 3; ++i) {
+      const __m512 w = _mm512_loadu_ps(wk + 16 * i);
+      for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(b[r], w, a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 3; ++i) _mm512_storeu_ps(acc + r * NB + 16 * i, a[r][i]);
+}
+
+// rows in tiles of 4, the last 1-3 rows in one smaller tile
+void linear_rows_avx512(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t k0,
+                        int64_t k1, float* acc) {
+  int64_t r = 0;
+  for (; rows - r >= 4; r += 4) linear_tile_avx512<4>(x + r * ldx, ldx, wp, k0, k1, acc + r * NB);
+  const float* xr = x + r * ldx;
+  float* ar = acc + r * NB;
+  switch (rows - r) {
+    case 3: linear_tile_avx512<3>(xr, ldx, wp, k0, k1, ar); break;
+    case 2: linear_tile_avx512<2>(xr, ldx, wp, k0, k1, ar); break;
+    case 1: linear_tile_avx512<1>(xr, ldx, wp, k0, k1, ar); break;
+    default: break;
+  }
+}
+
 // the tile step over k0 <= k < k1 for `rows` rows of x (ldx apart) and their acc rows
 template <typename T>
 void linear_tile(const T* x, int64_t ldx, int64_t rows, const T* wp, int64_t k0, int64_t k1,
                  T* acc) {
   if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) {
+      linear_rows_avx512(x, ldx, rows, wp, k0, k1, acc);
+      return;
+    }
     if (has_avx2()) {
       for (int64_t r = 0; r < rows; r += 2) {
         if (rows - r >= 2) linear_tile_avx2<2>(x + r * ldx, ldx, wp, k0, k1, acc + r * NB);
@@ -565,11 +618,60 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return out;
 }
 
+// ---------------------------------------------------------------- rms_norm
+// Per row h (x, or x + residual when one is given: one IEEE add per element): s = the sum of
+// squares in dot_scalar's 8 lane chains and lane tree, r = 1 / sqrt(s / H + eps) (correctly
+// rounded), out[d] = w[d] * (h[d] * r). A row's bits depend on its own values alone.
+__attribute__((target("avx2,fma"))) float sum_squares_avx2(const float* x, int64_t H) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, dot_lanes<1>(x, x, H));
+  return lanes[0];
+}
+
+template <typename T>
+void rms_norm_row(const T* h, const T* w, T eps, int64_t H, T* out) {
+  T s;
+  if constexpr (std::is_same_v<T, float>)
+    s = has_avx2() && H % LANES == 0 ? sum_squares_avx2(h, H) : dot_scalar<T>(h, h, H);
+  else
+    s = dot_scalar<T>(h, h, H);
+  const T r = T(1) / std::sqrt(s / T(H) + eps);
+  for (int64_t d = 0; d < H; ++d) out[d] = w[d] * (h[d] * r);
+}
+
+// (the norm of h, h) for x [M, H] contiguous, w [H] of x's dtype
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm: x [M, H] contiguous and w [H] expected");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: dtype mismatch");
+  at::Tensor h = x;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: the residual must match x");
+    h = (x + *residual).contiguous();
+  }
+  auto out = at::empty_like(h);
+  const int64_t M = h.size(0), H = h.size(1);
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "invariant_rms_norm", [&] {
+    const scalar_t *hp = h.data_ptr<scalar_t>(), *wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, M, grain(4 * H), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        rms_norm_row<scalar_t>(hp + i * H, wp, scalar_t(eps), H, op + i * H);
+    });
+  });
+  return {out, h};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(samebits_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n, int[]? k_bounds=None) -> Tensor", &linear);
   m.def("set_vectorized(bool on) -> bool", &set_vectorized);
+  m.def("set_avx512(bool on) -> bool", &set_avx512);
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor q_seq, "
         "Tensor q_nkeys, float scale, int split) -> Tensor", &attention);
+  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor? residual=None) -> (Tensor, Tensor)",
+        &rms_norm);
 }
