@@ -15,6 +15,8 @@
 //   l_s = sum of p in key order; acc_s[d] = fma chain of p * v[d] in key order. Splits merge in
 //   ascending order: m' = max(m, m_s), a = exp(m - m'), b = exp(m_s - m'),
 //   acc = fma(acc_s, b, acc * a), l = fma(l_s, b, l * a); out = acc / l.
+// rms_norm: per row h (x, or x + residual), s = the scores' dot arithmetic over h . h (8 lanes,
+//   the same lane tree), r = 1 / sqrt(s / H + eps), out[d] = w[d] * (h[d] * r).
 // The AVX-512, AVX2 and scalar paths perform the same IEEE operations (true fma), so they give
 // the same bits; the widest the CPU has is taken (AVX-512: the linear only).
 #include <ATen/ATen.h>
