@@ -9,9 +9,9 @@ is renamed into place only once complete. If the build fails, ``load`` raises
 ``KernelBuildError`` naming the cause; there is no silent fallback (another arithmetic would give
 other bits).
 
-``linear``, ``attention`` and ``rms_norm`` state their arithmetic in the C++ file's header; ``ARITHMETIC``, the
-digest of that source and the compile flags, names it in the CPU fingerprint (derived, so no edit
-of the kernels can leave a stale name).
+``linear``, ``attention`` and ``rms_norm`` state their arithmetic in the C++ file's header;
+``ARITHMETIC``, the digest of that source and the compile flags, names it in the CPU fingerprint
+(derived, so no edit of the kernels can leave a stale name).
 """
 
 from __future__ import annotations
