@@ -1,15 +1,14 @@
-"""``samebits.batch_invariant()``: the op-level overrides (``samebits.ops.override``) plus the HF
-RMSNorm classes of the architecture table routed to the engine's kernel, and
+"""``samebits.batch_invariant()``: the op-level overrides (``samebits.ops.override``) plus, on
+CUDA, the HF RMSNorm classes of the architecture table routed to the engine's kernel, and
 transformers' sparse MoE blocks routed to the engine's MoE ops (``samebits.ops.hf_moe``): routes
 this module adds to every block (``override.add_route``).
 
-The engine's RMSNorm is one kernel -- Triton on CUDA, one row per lane group; C++ on CPU for fp32
-and fp64, 8 lane chains a row -- whose bits no aten-level mean can reproduce; so inside the block
-the ``forward`` of every RMSNorm class an architecture entry names (``Architecture.hf_norm``, HF's
-formula ``w * (x.float() * rsqrt(mean + eps)).to(x)``), where its modeling module is imported when
-the outermost block opens, runs that kernel (with a recompute backward, ``samebits.ops.autograd``).
-Other CPU tensors (bf16, fp16) keep the stock forward, whose ``mean`` the op-level override
-already makes the engine's (its tiled composition).
+On CUDA the engine's RMSNorm is one Triton kernel, one row per lane group, whose bits no aten-level
+mean can reproduce; so inside the block the ``forward`` of every RMSNorm class an architecture
+entry names (``Architecture.hf_norm``, HF's formula ``w * (x.float() * rsqrt(mean + eps)).to(x)``),
+where its modeling module is imported when the outermost block opens, runs that kernel (with a
+recompute backward, ``samebits.ops.autograd``). CPU tensors keep the stock forward, whose
+``mean`` the op-level override already makes the engine's.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from samebits.models.registry import hf_rms_norms
 from samebits.ops import override
 from samebits.ops.autograd import invariant_apply, rms_norm_reference
 from samebits.ops.backend import get_backend
-from samebits.ops.reference import kernel_norms
 
 __all__ = ["batch_invariant"]
 
@@ -32,16 +30,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _routable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if x.device.type == "cpu":
-        return x.numel() > 0 and x.layout == torch.strided and kernel_norms(x, w)
     return (x.is_cuda and x.dtype in _FLOATS and w.dtype in _FLOATS and x.numel() > 0
             and x.layout == torch.strided and w.device == x.device and x.shape[-1] == w.shape[0])
 
 
 def _engine_rms_norm(stock: Callable, module: torch.nn.Module, hidden_states: torch.Tensor
                      ) -> torch.Tensor:
-    """HF RMSNorm ``forward`` -> the engine's kernel where it has one (stock ``forward``
-    elsewhere)."""
+    """HF RMSNorm ``forward`` -> the engine's kernel on CUDA (stock ``forward`` elsewhere)."""
     w = module.weight
     if not _routable(hidden_states, w):
         return stock(module, hidden_states)
@@ -59,8 +54,10 @@ def _norm_forward(stock: Callable) -> Callable[[torch.nn.Module, torch.Tensor], 
 
 
 def _route_hf_rms_norms() -> Callable[[], None]:
-    """Point the imported HF RMSNorm classes' ``forward`` at the engine's kernel; returns the
-    undo."""
+    """Point the imported HF RMSNorm classes' ``forward`` at the engine's CUDA kernel (only when
+    CUDA exists); returns the undo."""
+    if not torch.cuda.is_available():
+        return lambda: None
     undo = []
     for module_name, class_name in hf_rms_norms():
         cls = getattr(sys.modules.get(module_name), class_name, None)

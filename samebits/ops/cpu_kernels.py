@@ -9,9 +9,9 @@ is renamed into place only once complete. If the build fails, ``load`` raises
 ``KernelBuildError`` naming the cause; there is no silent fallback (another arithmetic would give
 other bits).
 
-``linear``, ``attention`` and ``rms_norm`` state their arithmetic in the C++ file's header;
-``ARITHMETIC``, the digest of that source and the compile flags, names it in the CPU fingerprint
-(derived, so no edit of the kernels can leave a stale name).
+``linear`` and ``attention`` state their arithmetic in the C++ file's header; ``ARITHMETIC``, the
+digest of that source and the compile flags, names it in the CPU fingerprint (derived, so no edit
+of the kernels can leave a stale name).
 """
 
 from __future__ import annotations
@@ -156,14 +156,6 @@ def linear(x: torch.Tensor, wp: torch.Tensor, n: int,
     return torch.ops.samebits_cpu.linear(x, wp, n, k_bounds)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm of h, h) for x [M, H] contiguous, h = x or x + residual: each row's sum of
-    squares in 8 lane chains summed by a fixed tree, then ``w * (h * (1 / sqrt(mean + eps)))``."""
-    load()
-    return torch.ops.samebits_cpu.rms_norm(x, w, eps, residual)
-
-
 def set_vectorized(on: bool) -> bool:
     """Let the kernels use AVX2 (default) or only their scalar paths; returns the previous setting.
     Both give the same bits (for tests)."""
@@ -176,6 +168,13 @@ def set_avx512(on: bool) -> bool:
     previous setting. Both give the same bits (for tests)."""
     load()
     return torch.ops.samebits_cpu.set_avx512(on)
+
+
+def linear_lanes() -> int:
+    """The lanes of the linear's registers here under the current settings: 16 (AVX-512), 8
+    (AVX2) or 1 (scalar)."""
+    load()
+    return torch.ops.samebits_cpu.linear_lanes()
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -126,12 +126,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, k_bounds: KBounds | None = No
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 / fp64 rows with a weight of their dtype: the C++ kernel's row arithmetic; other
-    dtypes: fp32 inside, on fixed tiles."""
-    if kernel_norms(x, w):
-        return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), w, eps)[0] \
-            .view(x.shape)
-
     def tile(t: torch.Tensor) -> torch.Tensor:
         h = t.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -139,22 +133,9 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return by_tiles(tile, x)
 
 
-def kernel_norms(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the C++ kernel norms x's rows with w (else the tiled composition)."""
-    return (x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype
-            and x.device.type == "cpu" and w.is_contiguous() and w.dim() == 1
-            and w.numel() == x.shape[-1])
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Row by row; with ``residual``: the add, then the norm of the sum (and the sum)."""
-    if residual is not None and kernel_norms(x, w) and residual.dtype == x.dtype \
-            and residual.shape == x.shape:
-        h = x.shape[-1]
-        normed, summed = cpu_kernels.rms_norm(x.reshape(-1, h).contiguous(), w, eps,
-                                              residual.reshape(-1, h).contiguous())
-        return normed.view(x.shape), summed.view(x.shape)
+    """Tile by tile; with ``residual``: the add, then the norm of the sum (and the sum)."""
     return norm_with_residual(_rms_norm, x, w, eps, residual)
 
 

@@ -15,8 +15,6 @@
 //   l_s = sum of p in key order; acc_s[d] = fma chain of p * v[d] in key order. Splits merge in
 //   ascending order: m' = max(m, m_s), a = exp(m - m'), b = exp(m_s - m'),
 //   acc = fma(acc_s, b, acc * a), l = fma(l_s, b, l * a); out = acc / l.
-// rms_norm: per row h (x, or x + residual), s = the scores' dot arithmetic over h . h (8 lanes,
-//   the same lane tree), r = 1 / sqrt(s / H + eps), out[d] = w[d] * (h[d] * r).
 // The AVX-512, AVX2 and scalar paths perform the same IEEE operations (true fma), so they give
 // the same bits; the widest the CPU has is taken (AVX-512: the linear only).
 #include <ATen/ATen.h>
@@ -25,10 +23,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -45,30 +43,26 @@ int64_t grain(int64_t flop_per_item) {
   return std::max<int64_t>(1, PARALLEL_MIN_FLOP / std::max<int64_t>(1, flop_per_item));
 }
 
-bool g_vectorize = true;  // off: the scalar paths run (tests prove both give the same bits)
-bool g_avx512 = true;     // off: the linear's AVX2 path runs where AVX-512 would (the same bits)
+// off: the scalar paths run; g_avx512 off: the linear's AVX2 path runs where AVX-512 would
+// (tests prove all give the same bits; set between calls, read by the calls' threads)
+std::atomic<bool> g_vectorize{true}, g_avx512{true};
 
 bool has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok && g_vectorize;
+  return ok && g_vectorize.load(std::memory_order_relaxed);
 }
 
 bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok && g_avx512 && has_avx2();
+  return ok && g_avx512.load(std::memory_order_relaxed) && has_avx2();
 }
 
-bool set_vectorized(bool on) {
-  const bool before = g_vectorize;
-  g_vectorize = on;
-  return before;
-}
+bool set_vectorized(bool on) { return g_vectorize.exchange(on); }
 
-bool set_avx512(bool on) {
-  const bool before = g_avx512;
-  g_avx512 = on;
-  return before;
-}
+bool set_avx512(bool on) { return g_avx512.exchange(on); }
+
+// the lanes of the linear's registers on this CPU under the current settings (16, 8, 1: scalar)
+int64_t linear_lanes() { return has_avx512() ? 16 : has_avx2() ? 8 : 1; }
 
 // ---------------------------------------------------------------- linear
 // Work items: (block of 48 output columns, block of up to ROWS_PER_ITEM rows). An item walks K in
@@ -620,60 +614,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return out;
 }
 
-// ---------------------------------------------------------------- rms_norm
-// Per row h (x, or x + residual when one is given: one IEEE add per element): s = the sum of
-// squares in dot_scalar's 8 lane chains and lane tree, r = 1 / sqrt(s / H + eps) (correctly
-// rounded), out[d] = w[d] * (h[d] * r). A row's bits depend on its own values alone.
-__attribute__((target("avx2,fma"))) float sum_squares_avx2(const float* x, int64_t H) {
-  float lanes[8];
-  _mm256_storeu_ps(lanes, dot_lanes<1>(x, x, H));
-  return lanes[0];
-}
-
-template <typename T>
-void rms_norm_row(const T* h, const T* w, T eps, int64_t H, T* out) {
-  T s;
-  if constexpr (std::is_same_v<T, float>)
-    s = has_avx2() && H % LANES == 0 ? sum_squares_avx2(h, H) : dot_scalar<T>(h, h, H);
-  else
-    s = dot_scalar<T>(h, h, H);
-  const T r = T(1) / std::sqrt(s / T(H) + eps);
-  for (int64_t d = 0; d < H; ++d) out[d] = w[d] * (h[d] * r);
-}
-
-// (the norm of h, h) for x [M, H] contiguous, w [H] of x's dtype
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
-                                            const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
-              "rms_norm: x [M, H] contiguous and w [H] expected");
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: dtype mismatch");
-  at::Tensor h = x;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "rms_norm: the residual must match x");
-    h = (x + *residual).contiguous();
-  }
-  auto out = at::empty_like(h);
-  const int64_t M = h.size(0), H = h.size(1);
-  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "invariant_rms_norm", [&] {
-    const scalar_t *hp = h.data_ptr<scalar_t>(), *wp = w.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, M, grain(4 * H), [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        rms_norm_row<scalar_t>(hp + i * H, wp, scalar_t(eps), H, op + i * H);
-    });
-  });
-  return {out, h};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(samebits_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n, int[]? k_bounds=None) -> Tensor", &linear);
   m.def("set_vectorized(bool on) -> bool", &set_vectorized);
   m.def("set_avx512(bool on) -> bool", &set_avx512);
+  m.def("linear_lanes() -> int", &linear_lanes);
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor q_seq, "
         "Tensor q_nkeys, float scale, int split) -> Tensor", &attention);
-  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor? residual=None) -> (Tensor, Tensor)",
-        &rms_norm);
 }
