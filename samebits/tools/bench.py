@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens each")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bars on stderr")
+                   help="no progress bars on stderr (bars shown: %(default)s)")
 
 
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16],

@@ -91,25 +91,30 @@ def plot_file(path: str) -> str:
 
 
 def plot(results: list[CheckResult], path: str, title: str) -> None:
-    """Per check, each request's first divergent token position (a cross), or a dot on the
-    axis where it matched its reference; saved to ``path`` (format from its suffix)."""
+    """Per check, each request's first divergent token position (a cross), or a dot below the
+    token axis where it matched its reference; saved to ``path`` (format from its suffix)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.8 * len(results) + 1), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
         same = [i for i, d in enumerate(r.first_divergence) if d is None]
         diff = [(i, d) for i, d in enumerate(r.first_divergence) if d is not None]
-        ax.scatter(same, [0] * len(same), marker="o", color="tab:green", label="identical")
+        ax.scatter(same, [-1] * len(same), marker="o", color="tab:green",
+                   label="identical (no divergent token)")
         if diff:
             ax.scatter([i for i, _ in diff], [d for _, d in diff], marker="x", color="tab:red",
                        label="first divergent token")
         ax.set_title(f"{r.name}: {len(diff)}/{r.requests} differ, {r.distinct} distinct",
                      fontsize=9)
         ax.set_ylabel("token")
-        ax.set_ylim(bottom=-0.5)
-        ax.legend(fontsize=7, loc="upper right")
+        top = max((d for _, d in diff), default=1) * 1.1 + 1
+        ax.set_ylim(-1.5, top)
+        ax.set_yticks([t for t in MaxNLocator(nbins=4, integer=True).tick_values(0, top)
+                       if 0 <= t <= top])
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     axes[-1, 0].set_xlabel("request")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
