@@ -96,7 +96,6 @@ class _Splitter(NothingDeferred):
         return self._o[:q.shape[0]]
 
 
-
 @contextlib.contextmanager
 def split_ops(model, q: torch.Tensor, o: torch.Tensor, cut: Callable[[], None]
               ) -> Iterator[_Splitter]:

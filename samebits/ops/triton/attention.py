@@ -155,12 +155,17 @@ def plan_attention(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, plan=plan(meta))
 
 
+def _planned(meta: AttentionMetadata) -> TritonAttentionPlan:
+    """The plan the caller made (``plan_attention``), or one made now."""
+    return meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """q [T, Hq, D] over the paged cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D] (``out``,
     contiguous, when given)."""
-    p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
+    p = _planned(meta)
     out = torch.empty_like(q) if out is None else out
     decode(q, k_cache, v_cache, meta, p, scale, out)
     prefill(q, k_cache, v_cache, meta, p, scale, out)
@@ -194,7 +199,7 @@ def attention_deferred(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        ) -> torch.Tensor | PendingMerge:
     """``attention`` of one decode token of at most ``max_splits`` splits, its merge left to
     the consumer (``PendingMerge``); anything else: ``attention``."""
-    p = meta.plan if isinstance(meta.plan, TritonAttentionPlan) else plan(meta)
+    p = _planned(meta)
     if p.tiles.shape[0] or p.dec_row.shape[0] != 1 or p.dec_max_splits > max_splits:
         return attention(q, k_cache, v_cache, meta, scale)
     c = scale * LOG2E

@@ -234,9 +234,13 @@ def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, segme
           partials: bool = False) -> bool:
     """Whether the engine routes ``x @ w.T`` (+ b; over ``segments`` chains, kept apart with
     ``partials``) here: a decode product inside a captured graph on Hopper (module constants)."""
-    return (x.dim() == 2 and programmatic(x) and w.dim() == 2 and w.shape[0] < MAX_N
-            and (w.shape[0] < MIN_N or x.shape[1] // segments <= MAX_SEGMENT)
-            and supports(x, w, b, segments, partials))
+    return (x.dim() == 2 and programmatic(x) and w.dim() == 2
+            and _routed(w.shape[0], x.shape[1] // segments) and supports(x, w, b, segments, partials))
+
+
+def _routed(n: int, seg: int) -> bool:
+    """The engine's limits: N below MAX_N, a wide program's K segment at most MAX_SEGMENT."""
+    return n < MAX_N and (n < MIN_N or seg <= MAX_SEGMENT)
 
 
 def even_bounds(k_bounds: KBounds, k: int) -> bool:
@@ -250,19 +254,31 @@ def supports(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, se
     """Whether a kernel here takes the product: the narrow one below MIN_N columns (one
     segment, no partials), the wide one from there; operands TMA and the stores can read."""
     m, k = x.shape
-    n, seg = w.shape[0], k // segments
-    common = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-              and w.shape[1] == k and w.is_contiguous() and w.data_ptr() % 16 == 0
-              and w.device == x.device and x.stride(1) == 1 and 1 <= m <= ROWS
-              and k % segments == 0 and seg % BLOCK_K == 0
+    n = w.shape[0]
+    common = (x.is_cuda and x.stride(1) == 1 and 1 <= m <= ROWS
+              and _weight(w, k, segments, x.dtype, x.device)
               and (b is None or (not partials and b.is_contiguous() and b.numel() == n
                                  and b.device == x.device)))
     if n < MIN_N:
         return (common and segments == 1 and not partials and n % NARROW_N == 0
                 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
                 and _x_stages(k // BLOCK_K) >= 1)
-    return common and n % BLOCK_N == 0 and (partials or segments == 1) and \
-        _stages(seg // BLOCK_K) >= 1
+    return common and (partials or segments == 1) and _wide(w, k // segments, 1)
+
+
+def _weight(w: torch.Tensor, k: int, segments: int, dtype: torch.dtype,
+            device: torch.device) -> bool:
+    """w [N, k] in 16-bit ``dtype`` on ``device``, contiguous and 16-byte aligned (TMA), over
+    ``segments`` equal K segments of whole BLOCK_K tiles."""
+    return (dtype in (torch.bfloat16, torch.float16) and w.dtype == dtype and w.dim() == 2
+            and w.shape[1] == k and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and w.device == device and k % segments == 0 and (k // segments) % BLOCK_K == 0)
+
+
+def _wide(w: torch.Tensor, seg: int, spare_stages: int) -> bool:
+    """The wide kernel's N tiling of w, and at least ``spare_stages`` weight stages beside a
+    segment of ``seg`` columns' staged input."""
+    return w.shape[0] % BLOCK_N == 0 and _stages(seg // BLOCK_K) >= spare_stages
 
 
 def _stages(k_steps: int) -> int:
@@ -342,14 +358,11 @@ def merges(w: torch.Tensor, pm: PendingMerge, segments: int) -> bool:
     splits, w a wide product in the attention's dtype on its device, each chain a power-of-two
     number of whole heads in whole K tiles."""
     _, hq, max_splits, d = pm.part_acc.shape
-    k, n = hq * d, w.shape[0]
+    k = hq * d
     seg = k // segments
     heads = seg // d
-    return (max_splits <= MAX_MERGED_SPLITS and w.dim() == 2 and k == w.shape[1]
-            and w.dtype == pm.dtype and w.dtype in (torch.bfloat16, torch.float16)
-            and w.device == pm.part_acc.device and w.is_cuda
-            and k % segments == 0 and seg % d == 0 and seg % BLOCK_K == 0
-            and heads & (heads - 1) == 0 and d & (d - 1) == 0
-            and w.is_contiguous() and MIN_N <= n < MAX_N and n % BLOCK_N == 0
-            and seg <= MAX_SEGMENT and w.data_ptr() % 16 == 0
-            and _stages(seg // BLOCK_K) > _MERGE_STAGES_LESS)
+    return (max_splits <= MAX_MERGED_SPLITS and pm.part_acc.is_cuda
+            and _weight(w, k, segments, pm.dtype, pm.part_acc.device)
+            and w.shape[0] >= MIN_N and _routed(w.shape[0], seg)
+            and _wide(w, seg, _MERGE_STAGES_LESS + 1)
+            and seg % d == 0 and heads & (heads - 1) == 0 and d & (d - 1) == 0)
